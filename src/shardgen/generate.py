@@ -1,0 +1,318 @@
+"""One shard job: read the shard's rows, render and tokenize prompts, generate, write.
+
+Rows stream from the input; finished rows are flushed to checkpoint parts
+every ``checkpoint.rows`` rows or ``checkpoint.seconds`` seconds. A restarted
+job resumes from the parts. On SIGTERM/SIGINT (Slurm's time limit, scancel,
+Ctrl+C) the job stops adding requests, flushes what is finished and exits
+non-zero so that Snakemake retries it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from shardgen import engine as eng
+from shardgen.config import content_config, content_fingerprint, digest
+from shardgen.errors import RowError, ShardgenError
+from shardgen.io import atomic_write_text
+from shardgen.outputs import ShardCheckpoint, output_schema
+from shardgen.plan import Manifest, Shard
+from shardgen.progress import progress_bar
+from shardgen.prompts import PromptRenderer
+from shardgen.stats import LogHistogram, summarize
+
+log = logging.getLogger(__name__)
+
+
+class Interrupted(ShardgenError):
+    """The job was asked to stop; finished rows are saved."""
+
+
+def shard_fingerprint(config: dict[str, Any], manifest: Manifest, shard: Shard) -> str:
+    """Everything that decides the shard's content: its input rows and the content config."""
+    src = manifest.data["source"]
+    if src["kind"] == "parquet":
+        files = [
+            {k: src["files"][s.file][k] for k in ("path", "size", "mtime_ns")} | {"start": s.start, "stop": s.stop}
+            for s in shard.segments
+        ]
+        inputs: Any = files
+    else:
+        inputs = {"fingerprint": src["fingerprint"], "start": shard.start, "stop": shard.stop}
+    return digest({"config": content_config(config), "rows": inputs})
+
+
+@dataclass
+class _Counters:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    requests: int = 0
+    ttft: LogHistogram = field(default_factory=LogHistogram)
+    latency: LogHistogram = field(default_factory=LogHistogram)
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT while installed; the feed loop polls it."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __call__(self) -> bool:
+        return self.signal is not None
+
+    def _handler(self, signum, _frame) -> None:
+        if self.signal is None:
+            log.warning("received %s: stopping after saving finished rows", signal.Signals(signum).name)
+        self.signal = signum
+
+    def __enter__(self) -> _StopFlag:
+        for s in self.SIGNALS:
+            self._previous[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+
+def _gpu_count(config: dict[str, Any]) -> int:
+    return config["model"]["tensor_parallel_size"] * config["model"]["pipeline_parallel_size"]
+
+
+def _slurm_info() -> dict[str, Any]:
+    keys = {
+        "job_id": "SLURM_JOB_ID",
+        "array_task_id": "SLURM_ARRAY_TASK_ID",
+        "restart_count": "SLURM_RESTART_COUNT",
+        "partition": "SLURM_JOB_PARTITION",
+        "nodelist": "SLURM_JOB_NODELIST",
+        "gpus_on_node": "SLURM_GPUS_ON_NODE",
+    }
+    return {k: os.environ[v] for k, v in keys.items() if v in os.environ}
+
+
+def _result(row: dict[str, Any], index: int, **fields: Any) -> dict[str, Any]:
+    out = dict(row)
+    out.update(
+        row_index=index,
+        generation=None,
+        finish_reason=None,
+        prompt_tokens=None,
+        generated_tokens=None,
+        error=None,
+    )
+    out.update(fields)
+    return out
+
+
+def run_shard(
+    config: dict[str, Any],
+    manifest_path: str | Path,
+    shard_id: str,
+    output: str | Path,
+    stats_path: str | Path,
+    llm: Any = None,
+) -> dict[str, Any]:
+    """Generate one shard and commit its output and stats. Returns the stats.
+
+    Args:
+        llm: an engine to use instead of starting one from ``config["model"]``
+            (tests share one across shards).
+
+    Raises:
+        Interrupted: SIGTERM or SIGINT arrived; finished rows are saved.
+    """
+    with _StopFlag() as stop:
+        return _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop)
+
+
+def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _StopFlag) -> dict[str, Any]:
+    t_start = time.time()
+    removed_env = eng.clear_thread_env()
+
+    manifest = Manifest.load(manifest_path)
+    shard = manifest.shard(shard_id)
+    source = manifest.source()
+    prompt_cfg = config["prompt"]
+    renderer = PromptRenderer(prompt_cfg["template"], prompt_cfg.get("system"), prompt_cfg["chat"])
+    fingerprint = shard_fingerprint(config, manifest, shard)
+    schema = output_schema(source.schema, fingerprint, content_fingerprint(config), shard.id)
+    ckpt_cfg = config["checkpoint"]
+    ckpt = ShardCheckpoint(Path(config["output"]["dir"]) / "checkpoints" / shard.id, shard.start, shard.stop, schema)
+    done = ckpt.resume()
+    log.info("shard %s: rows [%d, %d), %d already done in checkpoints", shard.id, shard.start, shard.stop, len(done))
+
+    counters = _Counters()
+    engine_start_s = generation_s = 0.0
+    feed_stats: dict[str, Any] = {}
+    if len(done) < shard.rows:
+        t0 = time.time()
+        if llm is None:
+            llm = eng.make_llm(config["model"])
+        engine_start_s = time.time() - t0
+        tokenizer = eng.Tokenizer(llm.get_tokenizer(), llm.llm_engine.model_config.max_model_len)
+        feeder = eng.Feeder(llm, eng.make_sampling_params(config["sampling"]))
+        t1 = time.time()
+        try:
+            _generate(source, shard, done, renderer, tokenizer, feeder, ckpt, ckpt_cfg, counters, stop)
+        finally:
+            generation_s = time.time() - t1
+            feed_stats = {
+                "steps": feeder.stats.steps,
+                "max_in_flight": feeder.stats.max_in_flight,
+                "window": feeder.window,
+            }
+        if stop():
+            raise Interrupted(
+                f"shard {shard.id}: stopped by {signal.Signals(stop.signal).name}; "
+                "finished rows are saved and the next attempt resumes from them"
+            )
+
+    table = ckpt.commit(output)
+    wall_s = time.time() - t_start
+    stats = _shard_stats(config, shard, table, len(done), counters, engine_start_s, generation_s, wall_s)
+    stats.update(
+        fingerprint=fingerprint,
+        config_fingerprint=content_fingerprint(config),
+        feed=feed_stats,
+        checkpoints_discarded=ckpt.discarded,
+        engine={"vllm_version": eng.vllm_version(), "args": eng.engine_kwargs(config["model"])},
+        host=socket.gethostname(),
+        slurm=_slurm_info(),
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        thread_env_removed=removed_env,
+    )
+    atomic_write_text(stats_path, json.dumps(stats, indent=1, default=str) + "\n")
+    return stats
+
+
+def _rows(source: Any, shard: Shard, done: set[int]) -> Iterator[tuple[int, dict[str, Any]]]:
+    index = shard.start
+    for batch in source.read(shard.segments):
+        for row in batch.to_pylist():
+            if index not in done:
+                yield index, row
+            index += 1
+
+
+def _generate(source, shard, done, renderer, tokenizer, feeder, ckpt, ckpt_cfg, counters, stop) -> None:
+    pending: dict[int, dict[str, Any]] = {}
+    finished: list[dict[str, Any]] = []
+    last_flush = time.time()
+    bar = progress_bar(total=shard.rows, initial=len(done), desc=f"shard {shard.id}")
+
+    def requests() -> Iterator[eng.Request]:
+        for index, row in _rows(source, shard, done):
+            try:
+                ids = tokenizer.encode(renderer.render(row))
+            except RowError as e:
+                finished.append(_result(row, index, error=str(e)))
+                bar.update(1)
+                continue
+            pending[index] = row
+            yield eng.Request(index, ids)
+
+    def flush() -> None:
+        nonlocal last_flush
+        ckpt.flush(finished)
+        finished.clear()
+        last_flush = time.time()
+
+    try:
+        for c in feeder.run(requests(), should_stop=stop):
+            row = pending.pop(c.key)
+            if c.error is not None:
+                finished.append(_result(row, c.key, prompt_tokens=c.prompt_tokens, error=str(c.error)))
+            else:
+                finished.append(
+                    _result(
+                        row,
+                        c.key,
+                        generation=c.text,
+                        finish_reason=c.finish_reason,
+                        prompt_tokens=c.prompt_tokens,
+                        generated_tokens=c.generated_tokens,
+                    )
+                )
+                counters.requests += 1
+                counters.prompt_tokens += c.prompt_tokens
+                counters.cached_tokens += c.cached_tokens
+                counters.generated_tokens += c.generated_tokens
+                if c.ttft_s is not None:
+                    counters.ttft.add(c.ttft_s)
+                if c.latency_s is not None:
+                    counters.latency.add(c.latency_s)
+                bar.update(1, tokens=c.generated_tokens)
+            if len(finished) >= ckpt_cfg["rows"] or time.time() - last_flush >= ckpt_cfg["seconds"]:
+                flush()
+    finally:
+        flush()
+        bar.close()
+
+
+def _shard_stats(config, shard, table: pa.Table, resumed: int, c: _Counters, engine_s, gen_s, wall_s) -> dict:
+    errors = table.column("error").to_pylist()
+    reasons: dict[str, int] = {}
+    for e in errors:
+        if e is not None:
+            reason = e.split(":", 1)[0]
+            reasons[reason] = reasons.get(reason, 0) + 1
+    gpus = _gpu_count(config)
+    counters = {
+        "rows": table.num_rows,
+        "errors": sum(reasons.values()),
+        "rows_resumed": resumed,
+        "rows_generated": table.num_rows - resumed,
+        "prompt_tokens": int(pa.compute.sum(table.column("prompt_tokens")).as_py() or 0),
+        "generated_tokens": int(pa.compute.sum(table.column("generated_tokens")).as_py() or 0),
+        # This attempt's engine work, which throughput is measured over.
+        "attempt_requests": c.requests,
+        "attempt_prompt_tokens": c.prompt_tokens,
+        "attempt_generated_tokens": c.generated_tokens,
+        "cached_prompt_tokens": c.cached_tokens,
+        "engine_start_seconds": round(engine_s, 3),
+        "generation_seconds": round(gen_s, 3),
+        "wall_seconds": round(wall_s, 3),
+        "gpus": gpus,
+        "gpu_hours": wall_s * gpus / 3600,
+    }
+    hists = {"ttft_s": c.ttft, "latency_s": c.latency}
+    return {
+        "shard": shard.id,
+        "row_start": shard.start,
+        "row_stop": shard.stop,
+        **counters,
+        "error_reasons": reasons,
+        **summarize(counters, hists),
+        "histograms": {k: h.to_json() for k, h in hists.items()},
+    }
+
+
+def main_generate(config, manifest, shard, output, stats) -> int:
+    try:
+        s = run_shard(config, manifest, shard, output, stats)
+    except Interrupted as e:
+        print(f"shardgen: {e}", file=sys.stderr)
+        return 3
+    print(
+        f"shard {s['shard']}: {s['rows']} rows ({s['errors']} errors, {s['rows_resumed']} resumed), "
+        f"{s['output_tokens_per_s'] or 0:.1f} output tok/s",
+        file=sys.stderr,
+    )
+    return 0

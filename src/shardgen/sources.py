@@ -1,0 +1,299 @@
+"""Input datasets: Parquet files or a Hugging Face dataset, read in place.
+
+A source is described by metadata alone (file sizes, Parquet footers, the
+dataset's length), which is what planning needs. A generate job reads only
+its shard's rows, streaming record batches; nothing is copied.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from shardgen.errors import InputError
+
+BATCH_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class ParquetFileInfo:
+    """What planning records of one Parquet file, and what a job checks again."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    rows: int
+    row_groups: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``[start, stop)`` of one file (index into the source's files), or of the dataset."""
+
+    file: int
+    start: int
+    stop: int
+
+
+def expand_parquet_patterns(patterns: list[str]) -> list[str]:
+    """Paths in config order; each glob's matches sorted by name.
+
+    Raises:
+        InputError: a path does not exist or a glob matches nothing.
+    """
+    files: list[str] = []
+    for pattern in patterns:
+        if glob.has_magic(pattern):
+            matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+            if not matches:
+                raise InputError(f"input.parquet: the pattern '{pattern}' matches no file")
+            files.extend(matches)
+        elif os.path.isfile(pattern):
+            files.append(pattern)
+        elif os.path.exists(pattern):
+            raise InputError(f"input.parquet: '{pattern}' is not a file")
+        else:
+            raise InputError(f"input.parquet: no such file: '{pattern}'")
+    seen: set[str] = set()
+    for f in files:
+        key = os.path.realpath(f)
+        if key in seen:
+            raise InputError(f"input.parquet: the file '{f}' is listed twice; its rows would be processed twice")
+        seen.add(key)
+    return files
+
+
+def _parquet_file(path: str) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except PermissionError as e:
+        raise InputError(f"input: cannot read '{path}': permission denied") from e
+    except (pa.ArrowInvalid, OSError) as e:
+        raise InputError(f"input: '{path}' is not a valid Parquet file ({e})") from e
+
+
+def describe_parquet(path: str) -> tuple[ParquetFileInfo, pa.Schema]:
+    """Read one file's footer: row counts per row group and the schema."""
+    pf = _parquet_file(path)
+    st = os.stat(path)
+    md = pf.metadata
+    groups = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
+    return ParquetFileInfo(path, st.st_size, st.st_mtime_ns, md.num_rows, groups), pf.schema_arrow
+
+
+class ParquetSource:
+    """Parquet files, in a fixed order, as one table of rows."""
+
+    kind = "parquet"
+
+    def __init__(self, files: list[ParquetFileInfo], schema: pa.Schema) -> None:
+        self.files = files
+        self.schema = schema
+
+    @classmethod
+    def scan(cls, patterns: list[str]) -> ParquetSource:
+        """Describe the files the patterns name, from their footers only.
+
+        Raises:
+            InputError: a file is missing, not Parquet, or its columns differ
+                from the first file's.
+        """
+        infos: list[ParquetFileInfo] = []
+        schema: pa.Schema | None = None
+        first = ""
+        for path in expand_parquet_patterns(patterns):
+            info, file_schema = describe_parquet(path)
+            if schema is None:
+                schema, first = file_schema, path
+            elif not file_schema.remove_metadata().equals(schema.remove_metadata()):
+                raise InputError(
+                    f"input: '{path}' has other columns or types than '{first}': {_schema_diff(schema, file_schema)}"
+                )
+            infos.append(info)
+        assert schema is not None
+        return cls(infos, schema.remove_metadata())
+
+    @property
+    def num_rows(self) -> int:
+        return sum(f.rows for f in self.files)
+
+    def to_manifest(self) -> dict[str, Any]:
+        return {"kind": self.kind, "files": [asdict(f) for f in self.files]}
+
+    @classmethod
+    def from_manifest(cls, entry: dict[str, Any]) -> ParquetSource:
+        files = [ParquetFileInfo(**f) for f in entry["files"]]
+        _, schema = describe_parquet(files[0].path)
+        return cls(files, schema.remove_metadata())
+
+    def segments(self, start: int, stop: int) -> list[Segment]:
+        """Split global rows ``[start, stop)`` into per-file segments."""
+        segs: list[Segment] = []
+        offset = 0
+        for i, f in enumerate(self.files):
+            lo, hi = max(start, offset), min(stop, offset + f.rows)
+            if lo < hi:
+                segs.append(Segment(i, lo - offset, hi - offset))
+            offset += f.rows
+        return segs
+
+    def check_unchanged(self, indexes: set[int]) -> None:
+        """Refuse to read files whose size or modification time changed since planning."""
+        for i in sorted(indexes):
+            f = self.files[i]
+            try:
+                st = os.stat(f.path)
+            except OSError as e:
+                raise InputError(f"input: '{f.path}' is gone since planning ({e})") from e
+            if (st.st_size, st.st_mtime_ns) != (f.size, f.mtime_ns):
+                raise InputError(
+                    f"input: '{f.path}' changed after planning (size {f.size} -> {st.st_size}, "
+                    "modification time changed); rerun the workflow to plan it again"
+                )
+
+    def read(self, segments: list[Segment], batch_rows: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:
+        """Stream the rows of the segments, reading only the row groups they touch."""
+        self.check_unchanged({s.file for s in segments})
+        for seg in segments:
+            info = self.files[seg.file]
+            pf = _parquet_file(info.path)
+            groups, first_row = [], 0
+            offset = 0
+            for g, n in enumerate(info.row_groups):
+                if offset + n > seg.start and offset < seg.stop:
+                    if not groups:
+                        first_row = offset
+                    groups.append(g)
+                offset += n
+            pos = first_row
+            for batch in pf.iter_batches(batch_size=batch_rows, row_groups=groups, use_threads=False):
+                lo, hi = max(seg.start, pos), min(seg.stop, pos + batch.num_rows)
+                if lo < hi:
+                    yield batch.slice(lo - pos, hi - lo)
+                pos += batch.num_rows
+                if pos >= seg.stop:
+                    break
+
+
+class HFSource:
+    """A Hugging Face ``datasets.Dataset``: from ``load_dataset`` or ``load_from_disk``.
+
+    The dataset's Arrow files are memory-mapped; a shard is a contiguous
+    ``select`` of it, which copies nothing.
+    """
+
+    def __init__(self, kind: str, args: dict[str, Any], fingerprint: str, num_rows: int) -> None:
+        self.kind = kind
+        self.args = args
+        self.fingerprint = fingerprint
+        self._num_rows = num_rows
+        self._dataset = None
+
+    @staticmethod
+    def _load(kind: str, args: dict[str, Any]):
+        import datasets
+
+        try:
+            if kind == "disk":
+                ds = datasets.load_from_disk(args["path"])
+            else:
+                kwargs = {k: v for k, v in args.items() if v is not None}
+                ds = datasets.load_dataset(**kwargs)
+        except FileNotFoundError as e:
+            raise InputError(f"input.{kind}: cannot load '{args['path']}': {e}") from e
+        except Exception as e:
+            raise InputError(f"input.{kind}: cannot load '{args['path']}': {type(e).__name__}: {e}") from e
+        if isinstance(ds, datasets.DatasetDict):
+            raise InputError(
+                f"input.{kind}: '{args['path']}' holds several splits ({', '.join(ds)}); "
+                + ("point input.disk at one split's directory" if kind == "disk" else "set input.hf.split")
+            )
+        return ds
+
+    @classmethod
+    def open(cls, kind: str, args: dict[str, Any]) -> HFSource:
+        ds = cls._load(kind, args)
+        src = cls(kind, args, ds._fingerprint, len(ds))
+        src._dataset = ds
+        return src
+
+    @property
+    def dataset(self):
+        if self._dataset is None:
+            self._dataset = self._load(self.kind, self.args)
+            if self._dataset._fingerprint != self.fingerprint or len(self._dataset) != self._num_rows:
+                raise InputError(
+                    f"input.{self.kind}: the dataset '{self.args['path']}' changed after planning; "
+                    "rerun the workflow to plan it again"
+                )
+        return self._dataset
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self.dataset.features.arrow_schema.remove_metadata()
+
+    @property
+    def num_rows(self) -> int:
+        return self._num_rows
+
+    def to_manifest(self) -> dict[str, Any]:
+        return {"kind": self.kind, "args": self.args, "fingerprint": self.fingerprint, "rows": self._num_rows}
+
+    @classmethod
+    def from_manifest(cls, entry: dict[str, Any]) -> HFSource:
+        return cls(entry["kind"], entry["args"], entry["fingerprint"], entry["rows"])
+
+    def segments(self, start: int, stop: int) -> list[Segment]:
+        return [Segment(0, start, stop)] if start < stop else []
+
+    def read(self, segments: list[Segment], batch_rows: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:
+        ds = self.dataset
+        for seg in segments:
+            part = ds.select(range(seg.start, seg.stop)).with_format("arrow")
+            for table in part.iter(batch_size=batch_rows):
+                yield from table.to_batches()
+
+
+Source = ParquetSource | HFSource
+
+
+def open_source(input_cfg: dict[str, Any]) -> Source:
+    """Open the source that ``input`` in the config names (metadata only for Parquet)."""
+    if input_cfg.get("parquet"):
+        return ParquetSource.scan(input_cfg["parquet"])
+    if input_cfg.get("hf"):
+        return HFSource.open("hf", dict(input_cfg["hf"]))
+    if input_cfg.get("disk"):
+        path = input_cfg["disk"]
+        if not Path(path).is_dir():
+            raise InputError(f"input.disk: no such directory: '{path}'")
+        return HFSource.open("disk", {"path": path})
+    raise InputError("input: set one of input.parquet, input.hf or input.disk")
+
+
+def source_from_manifest(entry: dict[str, Any]) -> Source:
+    if entry["kind"] == "parquet":
+        return ParquetSource.from_manifest(entry)
+    return HFSource.from_manifest(entry)
+
+
+def _schema_diff(a: pa.Schema, b: pa.Schema) -> str:
+    fa = {f.name: str(f.type) for f in a}
+    fb = {f.name: str(f.type) for f in b}
+    parts = []
+    if missing := sorted(set(fa) - set(fb)):
+        parts.append(f"missing {missing}")
+    if extra := sorted(set(fb) - set(fa)):
+        parts.append(f"extra {extra}")
+    if changed := sorted(n for n in set(fa) & set(fb) if fa[n] != fb[n]):
+        parts.append("types differ for " + ", ".join(f"'{n}' ({fa[n]} vs {fb[n]})" for n in changed))
+    if not parts:
+        parts.append("column order differs")
+    return "; ".join(parts)

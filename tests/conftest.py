@@ -1,0 +1,95 @@
+"""Shared fixtures: real Parquet and datasets inputs, configs, and one real engine per session."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from shardgen import config as cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+
+# Engine settings for tests on the CPU build: small KV cache, no torch.compile.
+TEST_MODEL_CFG: dict[str, Any] = {
+    "model": str(MODEL),
+    "max_model_len": 1024,
+    "kv_cache_memory_bytes": 512 * 1024 * 1024,
+    "enforce_eager": True,
+}
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    if not (MODEL / "config.json").exists():
+        pytest.fail(f"the demo model is missing at {MODEL}: run `make setup`")
+    return MODEL
+
+
+def make_rows(n: int, start: int = 0) -> list[dict[str, Any]]:
+    topics = ["the sea", "owls", "tea", "clocks", "maps", "bread", "snow", "bridges"]
+    return [{"id": f"r{i:05d}", "topic": topics[i % len(topics)], "n": i} for i in range(start, start + n)]
+
+
+def write_parquet(path: Path, rows: list[dict[str, Any]], row_group_size: int = 7) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_size)
+    return path
+
+
+@pytest.fixture
+def parquet_files(tmp_path: Path) -> list[Path]:
+    """Three files of 10, 7 and 13 rows (30 in all), with small row groups."""
+    sizes = [10, 7, 13]
+    files, start = [], 0
+    for i, n in enumerate(sizes):
+        files.append(write_parquet(tmp_path / "data" / f"part-{i}.parquet", make_rows(n, start)))
+        start += n
+    return files
+
+
+def base_config(inputs: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    """A validated config; ``overrides`` replace whole sections (``model`` is merged)."""
+    config: dict[str, Any] = {
+        "input": inputs,
+        "shards": {"rows_per_shard": 8},
+        "prompt": {"template": "Write one short sentence about {{ topic }}."},
+        "model": copy.deepcopy(TEST_MODEL_CFG),
+        "sampling": {"temperature": 0.0, "max_tokens": 12},
+    }
+    for key, value in overrides.items():
+        if key == "model":
+            config["model"].update(value)
+        else:
+            config[key] = value
+    return cfg.validate(config)
+
+
+@pytest.fixture(scope="session")
+def llm(model_dir: Path):
+    """One real vLLM engine for every in-process engine test (a start costs about a minute).
+
+    It runs with an FP8 KV cache, so every test that uses it also proves
+    that ``kv_cache_dtype: fp8`` works on this build.
+    """
+    from shardgen.engine import clear_thread_env, make_llm
+
+    clear_thread_env()
+    engine = make_llm({**TEST_MODEL_CFG, "kv_cache_dtype": "fp8"})
+    yield engine
+    del engine
+
+
+@pytest.fixture
+def in_tmp(tmp_path: Path):
+    """Run the test with the temporary directory as working directory."""
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    yield tmp_path
+    os.chdir(old)

@@ -1,0 +1,80 @@
+"""Checkpoint parts: atomic flushes, resume, and rejection of broken or foreign parts."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from shardgen.errors import InputError
+from shardgen.outputs import ShardCheckpoint, output_schema
+
+INPUT = pa.schema([pa.field("text", pa.string())])
+
+
+def rows(indexes) -> list[dict]:
+    return [
+        {
+            "text": f"t{i}",
+            "row_index": i,
+            "generation": f"g{i}",
+            "finish_reason": "stop",
+            "prompt_tokens": 3,
+            "generated_tokens": 2,
+            "error": None,
+        }
+        for i in indexes
+    ]
+
+
+def checkpoint(tmp_path, fingerprint="fp1", start=10, stop=20) -> ShardCheckpoint:
+    return ShardCheckpoint(tmp_path / "ck", start, stop, output_schema(INPUT, fingerprint, "cfg", "00001"))
+
+
+def test_a_restarted_shard_resumes_the_rows_of_its_parts(tmp_path):
+    ck = checkpoint(tmp_path)
+    ck.flush(rows([13, 11]))
+    ck.flush(rows([10]))
+    again = checkpoint(tmp_path)
+    assert again.resume() == {10, 11, 13}
+    again.flush(rows([12, 14, 15, 16, 17, 18, 19]))
+    table = again.commit(tmp_path / "shard.parquet")
+    assert table.column("row_index").to_pylist() == list(range(10, 20))
+    assert pq.read_table(tmp_path / "shard.parquet").column("generation").to_pylist()[0] == "g10"
+    assert not (tmp_path / "ck").exists(), "parts are removed once the shard file is committed"
+
+
+def test_a_truncated_part_is_discarded_and_its_rows_generated_again(tmp_path):
+    ck = checkpoint(tmp_path)
+    ck.flush(rows([10, 11]))
+    ck.flush(rows([12, 13]))
+    second = sorted((tmp_path / "ck").glob("part-*.parquet"))[1]
+    data = second.read_bytes()
+    second.write_bytes(data[: len(data) // 2])
+    again = checkpoint(tmp_path)
+    assert again.resume() == {10, 11}
+    assert again.discarded and "unreadable" in again.discarded[0]
+    assert not second.exists()
+
+
+def test_parts_of_another_configuration_are_not_reused(tmp_path):
+    checkpoint(tmp_path, fingerprint="old").flush(rows([10, 11]))
+    again = checkpoint(tmp_path, fingerprint="new")
+    assert again.resume() == set()
+    assert "another configuration" in again.discarded[0]
+
+
+def test_a_new_part_never_overwrites_an_old_one(tmp_path):
+    checkpoint(tmp_path).flush(rows([10]))
+    again = checkpoint(tmp_path)
+    again.resume()
+    again.flush(rows([11]))
+    assert len(list((tmp_path / "ck").glob("part-*.parquet"))) == 2
+
+
+def test_commit_refuses_an_incomplete_shard(tmp_path):
+    ck = checkpoint(tmp_path)
+    ck.flush(rows([10, 11]))
+    with pytest.raises(InputError, match="8 missing"):
+        ck.commit(tmp_path / "shard.parquet")
+    assert not (tmp_path / "shard.parquet").exists()

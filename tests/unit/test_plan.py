@@ -1,0 +1,107 @@
+"""Planning: shard boundaries from metadata, across files and row groups, deterministic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardgen.errors import InputError
+from shardgen.plan import Manifest, build_manifest, shard_id_width, write_manifest
+from tests.conftest import base_config, make_rows, write_parquet
+
+
+def test_shards_cover_every_row_once_in_order_across_files(parquet_files):
+    m = build_manifest(base_config({"parquet": [str(f) for f in parquet_files]}))
+    assert m["total_rows"] == 30
+    ranges = [(s["start"], s["stop"]) for s in m["shards"]]
+    assert ranges == [(0, 8), (8, 16), (16, 24), (24, 30)]
+    # shard 1 covers rows 8-9 of file 0 and rows 0-5 of file 1
+    assert m["shards"][1]["segments"] == [[0, 8, 10], [1, 0, 6]]
+    # the last shard takes the remainder
+    assert m["shards"][-1]["segments"] == [[2, 7, 13]]
+
+
+def test_segment_rows_add_up_to_shard_rows(parquet_files):
+    m = build_manifest(base_config({"parquet": [str(f) for f in parquet_files]}, shards={"rows_per_shard": 3}))
+    for s in m["shards"]:
+        assert sum(stop - start for _, start, stop in s["segments"]) == s["stop"] - s["start"]
+
+
+def test_same_input_and_config_give_the_same_manifest(parquet_files, tmp_path):
+    config = base_config({"parquet": [str(f) for f in parquet_files]})
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    write_manifest(config, a)
+    write_manifest(base_config({"parquet": [str(f) for f in parquet_files]}), b)
+    assert a.read_text() == b.read_text()
+
+
+def test_glob_matches_are_taken_in_name_order(tmp_path):
+    for name, start in [("b.parquet", 10), ("a.parquet", 0), ("c.parquet", 20)]:
+        write_parquet(tmp_path / "d" / name, make_rows(10, start))
+    m = build_manifest(base_config({"parquet": [str(tmp_path / "d" / "*.parquet")]}))
+    assert [f["path"].rsplit("/", 1)[1] for f in m["source"]["files"]] == ["a.parquet", "b.parquet", "c.parquet"]
+
+
+def test_explicit_paths_keep_config_order(tmp_path):
+    b = write_parquet(tmp_path / "b.parquet", make_rows(4))
+    a = write_parquet(tmp_path / "a.parquet", make_rows(4, 4))
+    m = build_manifest(base_config({"parquet": [str(b), str(a)]}))
+    assert [f["path"] for f in m["source"]["files"]] == [str(b), str(a)]
+
+
+def test_planning_reads_metadata_and_records_file_identity(parquet_files):
+    m = build_manifest(base_config({"parquet": [str(f) for f in parquet_files]}))
+    f0 = m["source"]["files"][0]
+    assert f0["rows"] == 10 and f0["row_groups"] == [7, 3]
+    assert f0["size"] == parquet_files[0].stat().st_size and f0["mtime_ns"] > 0
+
+
+def test_shard_ids_are_zero_padded_and_sort_as_numbers():
+    assert shard_id_width(3) == 5
+    assert shard_id_width(100_000) == 5  # ids 00000 .. 99999
+    assert shard_id_width(100_001) == 6
+
+
+def test_manifest_round_trips_and_finds_shards(parquet_files, tmp_path):
+    path = tmp_path / "m.json"
+    write_manifest(base_config({"parquet": [str(f) for f in parquet_files]}), path)
+    m = Manifest.load(path)
+    assert m.shard("00002").start == 16
+    with pytest.raises(InputError, match="no shard '00009'"):
+        m.shard("00009")
+    assert json.loads(path.read_text())["version"] == 1
+
+
+def test_a_missing_file_is_named(tmp_path):
+    with pytest.raises(InputError, match="no such file: '.*nope.parquet'"):
+        build_manifest(base_config({"parquet": [str(tmp_path / "nope.parquet")]}))
+
+
+def test_a_glob_matching_nothing_is_named(tmp_path):
+    with pytest.raises(InputError, match=r"pattern '.*\*.parquet' matches no file"):
+        build_manifest(base_config({"parquet": [str(tmp_path / "*.parquet")]}))
+
+
+def test_a_file_listed_twice_is_refused(parquet_files):
+    with pytest.raises(InputError, match="listed twice"):
+        build_manifest(base_config({"parquet": [str(parquet_files[0]), str(parquet_files[0])]}))
+
+
+def test_files_with_different_columns_are_refused(tmp_path):
+    a = write_parquet(tmp_path / "a.parquet", make_rows(3))
+    b = write_parquet(tmp_path / "b.parquet", [{"id": "x", "topic": "y"}])
+    with pytest.raises(InputError, match=r"b.parquet' has other columns .*missing \['n'\]"):
+        build_manifest(base_config({"parquet": [str(a), str(b)]}))
+
+
+def test_a_template_column_the_input_lacks_is_named(parquet_files):
+    config = base_config({"parquet": [str(parquet_files[0])]}, prompt={"template": "{{ title }}"})
+    with pytest.raises(InputError, match="uses the column 'title'"):
+        build_manifest(config)
+
+
+def test_an_input_column_that_clashes_with_an_output_column_is_refused(tmp_path):
+    f = write_parquet(tmp_path / "a.parquet", [{"topic": "x", "generation": "old"}])
+    with pytest.raises(InputError, match=r"\['generation'\] clash"):
+        build_manifest(base_config({"parquet": [str(f)]}))

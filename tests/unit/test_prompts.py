@@ -1,0 +1,70 @@
+"""Prompt rendering: template over columns, system prompt, chat on/off, per-row errors, sandbox."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardgen.errors import ConfigError, RowError
+from shardgen.prompts import PromptRenderer
+
+
+def test_chat_mode_gives_system_then_user_message():
+    r = PromptRenderer("Summarize: {{ text }}", system="Be brief.", chat=True)
+    assert r.render({"text": "a b c"}) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Summarize: a b c"},
+    ]
+
+
+def test_chat_mode_without_system_has_only_the_user_message():
+    assert PromptRenderer("{{ q }}").render({"q": "hi"}) == [{"role": "user", "content": "hi"}]
+
+
+def test_completion_mode_gives_the_rendered_text():
+    assert PromptRenderer("Q: {{ q }}\nA:", chat=False).render({"q": "2+2?"}) == "Q: 2+2?\nA:"
+
+
+def test_template_columns_are_found_for_checks_before_the_run():
+    r = PromptRenderer("{{ title }}: {% for t in tags %}{{ t }} {% endfor %}")
+    assert r.columns == {"title", "tags"}
+
+
+def test_a_syntax_error_names_the_key():
+    with pytest.raises(ConfigError, match=r"prompt.template: syntax error on line 1"):
+        PromptRenderer("{{ text ")
+
+
+def test_a_missing_column_is_a_row_error():
+    with pytest.raises(RowError, match="template_error: template: 'text' is undefined"):
+        PromptRenderer("{{ text }}").render({"other": 1})
+
+
+def test_a_null_value_is_a_row_error_naming_the_column():
+    with pytest.raises(RowError, match="null_value: column 'text' is null"):
+        PromptRenderer("{{ text }}").render({"text": None})
+
+
+def test_an_empty_prompt_is_a_row_error():
+    with pytest.raises(RowError, match="empty_prompt"):
+        PromptRenderer("{{ text }}").render({"text": "  "})
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ text.__class__.__init__.__globals__ }}",
+        "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+    ],
+)
+def test_the_sandbox_refuses_python_internals(template):
+    with pytest.raises(RowError) as e:
+        PromptRenderer(template).render({"text": "x"})
+    assert e.value.reason in {"template_unsafe", "template_error"}
+
+
+def test_rendering_cannot_mutate_row_values():
+    row = {"items": [1, 2]}
+    with pytest.raises(RowError):
+        PromptRenderer("{{ items.append(3) }}").render(row)
+    assert row["items"] == [1, 2]

@@ -1,0 +1,46 @@
+# Glue: paths, config lookups and input functions. Logic lives in the package.
+import json
+from pathlib import Path
+
+from shardgen import config as shardgen_config
+from shardgen.stats import summary_text
+
+shardgen_config.check_consistency(config)
+
+OUT = config["output"]["dir"]
+PLAN_DIR = f"{OUT}/plan"
+SHARD_DIR = f"{OUT}/shards"
+LOG_DIR = f"{OUT}/logs"
+GPUS = (
+    config["model"]["tensor_parallel_size"] * config["model"]["pipeline_parallel_size"]
+)
+
+
+wildcard_constraints:
+    shard=r"\d+",
+
+
+def shard_ids():
+    """Shard ids from the plan (available once the plan_shards checkpoint ran)."""
+    manifest = checkpoints.plan_shards.get().output.manifest
+    return [s["id"] for s in json.loads(Path(manifest).read_text())["shards"]]
+
+
+def all_shard_outputs(wildcards):
+    ids = shard_ids()
+    return {
+        "parquet": expand(f"{SHARD_DIR}/{{shard}}.parquet", shard=ids),
+        "stats": expand(f"{SHARD_DIR}/{{shard}}.stats.json", shard=ids),
+    }
+
+
+def generate_runtime(wildcards, attempt):
+    """Minutes: the configured limit, growing with each retry."""
+    return config["resources"]["runtime"] * attempt
+
+
+def print_summary():
+    stats = Path(f"{OUT}/stats.json")
+    if stats.exists():
+        print(f"\n{summary_text(json.loads(stats.read_text()))}")
+        print(f"\noutput: {OUT}/output.parquet\nstats:  {stats}")

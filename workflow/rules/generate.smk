@@ -1,0 +1,30 @@
+# Generation: one job per shard, one vLLM engine per job.
+
+
+rule generate_shard:
+    input:
+        manifest=rules.plan_shards.output.manifest,
+        config=ancient(rules.write_config.output[0]),
+    output:
+        parquet=f"{SHARD_DIR}/{{shard}}.parquet",
+        stats=f"{SHARD_DIR}/{{shard}}.stats.json",
+    log:
+        f"{LOG_DIR}/generate_shard/{{shard}}.log",
+    conda:
+        "../envs/generate.yaml"
+    threads: config["resources"]["cpus_per_task"]
+    resources:
+        # all GPUs of a job on one node, one vLLM process that sees them all
+        gpu=GPUS,
+        tasks_per_gpu=0,
+        nodes=1,
+        cpus_per_task=config["resources"]["cpus_per_task"],
+        mem_mb=config["resources"]["mem_mb"],
+        runtime=generate_runtime,
+    params:
+        # rerun when anything that decides the generated text changes
+        fingerprint=lambda wildcards: shardgen_config.content_fingerprint(config),
+    shell:
+        "shardgen generate --config {input.config:q} --manifest {input.manifest:q}"
+        " --shard {wildcards.shard} --output {output.parquet:q} --stats {output.stats:q}"
+        " > {log:q} 2>&1"
