@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,43 @@ THREAD_ENV_VARS = (
 
 # Keys of `model` in the config that are ours, not vllm.LLM arguments.
 _NOT_ENGINE_ARGS = {"extra"}
+
+
+# What vLLM and PyTorch say when memory runs out: CUDA out of memory while
+# running, or a KV cache too small for one sequence at engine start.
+MEMORY_ERROR_PATTERNS = (
+    "out of memory",
+    "outofmemoryerror",
+    "kv cache is needed",
+    "larger than the available kv cache memory",
+    "no available memory for the cache blocks",
+    "insufficient memory",
+)
+
+
+def is_memory_error(text: str) -> bool:
+    low = text.lower()
+    return any(p in low for p in MEMORY_ERROR_PATTERNS)
+
+
+def lowered_memory_settings(model_cfg: dict[str, Any], failures: int) -> dict[str, Any]:
+    """Engine settings for an attempt after ``failures`` attempts ran out of memory.
+
+    Each failure halves the batch (``max_num_seqs``) and leaves 5% more of the
+    GPU to what is not KV cache; the first also turns on an FP8 KV cache
+    (half the memory per token) unless the config chose a KV cache dtype.
+    """
+    if failures <= 0:
+        return {}
+    seqs = model_cfg.get("max_num_seqs") or 256
+    util = model_cfg.get("gpu_memory_utilization") or 0.9
+    out: dict[str, Any] = {
+        "max_num_seqs": max(1, seqs >> failures),
+        "gpu_memory_utilization": round(max(0.5, util - 0.05 * failures), 3),
+    }
+    if model_cfg.get("kv_cache_dtype", "auto") == "auto":
+        out["kv_cache_dtype"] = "fp8"
+    return out
 
 
 def clear_thread_env() -> dict[str, str]:
@@ -157,60 +195,56 @@ class Feeder:
         self.window = window or 2 * max_seqs
         self.stats = FeedStats()
 
-    def _add(self, req: Request) -> None:
+    def _add(self, req: Request) -> str:
         prompt = {"prompt_token_ids": req.prompt_token_ids}
         renderer = getattr(self._engine, "renderer", None)
         if renderer is not None and hasattr(renderer, "render_cmpl"):
             (prompt,) = renderer.render_cmpl([prompt])
-        self._engine.add_request(str(req.key), prompt, self._params)
+        # Ids unique to this feed, so an engine shared by several feeds never
+        # hands one feed's output to another.
+        request_id = f"{self._feed_id}-{req.key}"
+        self._engine.add_request(request_id, prompt, self._params)
+        return request_id
 
     def run(self, requests: Iterable[Request], should_stop: Callable[[], bool] = lambda: False) -> Iterator[Completion]:
         """Yield a Completion per request, in finishing order.
 
         A request the engine refuses (vLLM validates each one) comes back as
         a Completion with ``error`` set; the others go on. When
-        ``should_stop()`` turns true, no more requests are added and the
-        iteration ends without waiting for those in flight.
+        ``should_stop()`` turns true, no more requests are added, those in
+        flight are aborted, and the iteration ends.
         """
+        self._feed_id = uuid.uuid4().hex[:8]
         it = iter(requests)
-        in_flight = 0
+        in_flight: dict[str, int] = {}
         exhausted = False
-        while True:
-            while not exhausted and in_flight < self.window and not should_stop():
-                req = next(it, None)
-                if req is None:
-                    exhausted = True
-                    break
-                try:
-                    self._add(req)
-                except Exception as e:  # noqa: BLE001 - vLLM's per-request validation
-                    yield Completion(
-                        req.key,
-                        None,
-                        None,
-                        len(req.prompt_token_ids),
-                        0,
-                        0,
-                        None,
-                        None,
-                        RowError("rejected_by_engine", f"{type(e).__name__}: {e}"),
-                    )
-                    continue
-                in_flight += 1
-            if should_stop() or in_flight == 0:
-                return
-            self.stats.max_in_flight = max(self.stats.max_in_flight, in_flight)
-            outputs = self._engine.step()
-            self.stats.steps += 1
-            now = time.time()
-            for out in outputs:
-                if not out.finished:
-                    continue
-                in_flight -= 1
-                yield _completion(out, now)
+        try:
+            while True:
+                while not exhausted and len(in_flight) < self.window and not should_stop():
+                    req = next(it, None)
+                    if req is None:
+                        exhausted = True
+                        break
+                    try:
+                        in_flight[self._add(req)] = req.key
+                    except Exception as e:  # noqa: BLE001 - vLLM's per-request validation
+                        error = RowError("rejected_by_engine", f"{type(e).__name__}: {e}")
+                        yield Completion(req.key, None, None, len(req.prompt_token_ids), 0, 0, None, None, error)
+                if should_stop() or not in_flight:
+                    return
+                self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
+                outputs = self._engine.step()
+                self.stats.steps += 1
+                now = time.time()
+                for out in outputs:
+                    if out.finished and out.request_id in in_flight:
+                        yield _completion(in_flight.pop(out.request_id), out, now)
+        finally:
+            if in_flight:
+                self._engine.abort_request(list(in_flight))
 
 
-def _completion(out: Any, now: float) -> Completion:
+def _completion(key: int, out: Any, now: float) -> Completion:
     sample = out.outputs[0]
     metrics = out.metrics
     ttft = latency = None
@@ -218,7 +252,7 @@ def _completion(out: Any, now: float) -> Completion:
         ttft = metrics.first_token_latency or None
         latency = now - metrics.arrival_time if metrics.arrival_time else None
     return Completion(
-        key=int(out.request_id),
+        key=key,
         text=sample.text,
         finish_reason=sample.finish_reason,
         prompt_tokens=len(out.prompt_token_ids or ()),

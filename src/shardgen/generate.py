@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,28 @@ log = logging.getLogger(__name__)
 
 class Interrupted(ShardgenError):
     """The job was asked to stop; finished rows are saved."""
+
+
+class OutOfMemory(ShardgenError):
+    """The engine ran out of memory; the next attempt uses lower settings."""
+
+
+MEMORY_FAILURES = "memory_failures.json"
+
+
+def _own_log_tail(limit: int = 200_000) -> str:
+    """The end of this process's stderr when it is a file (the job's log).
+
+    vLLM's engine core runs in a child process that writes the real cause of
+    a failed start there; the parent only sees "initialization failed".
+    """
+    try:
+        path = os.readlink("/proc/self/fd/2")
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - limit))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def shard_fingerprint(config: dict[str, Any], manifest: Manifest, shard: Shard) -> str:
@@ -161,16 +184,29 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _
     counters = _Counters()
     engine_start_s = generation_s = 0.0
     feed_stats: dict[str, Any] = {}
+    failures_file = ckpt.dir / MEMORY_FAILURES
+    failures = json.loads(failures_file.read_text()) if failures_file.exists() else []
+    overrides = eng.lowered_memory_settings(config["model"], len(failures))
+    model_cfg = {**config["model"], **overrides}
+    if overrides:
+        log.warning("shard %s: %d earlier attempt(s) ran out of memory; now %s", shard.id, len(failures), overrides)
     if len(done) < shard.rows:
         t0 = time.time()
-        if llm is None:
-            llm = eng.make_llm(config["model"])
+        try:
+            if llm is None:
+                llm = eng.make_llm(model_cfg)
+        except Exception as e:
+            _record_if_memory(e, "engine start", failures, failures_file, config["model"], model_cfg)
+            raise
         engine_start_s = time.time() - t0
         tokenizer = eng.Tokenizer(llm.get_tokenizer(), llm.llm_engine.model_config.max_model_len)
         feeder = eng.Feeder(llm, eng.make_sampling_params(config["sampling"]))
         t1 = time.time()
         try:
             _generate(source, shard, done, renderer, tokenizer, feeder, ckpt, ckpt_cfg, counters, stop)
+        except Exception as e:
+            _record_if_memory(e, "generation", failures, failures_file, config["model"], model_cfg)
+            raise
         finally:
             generation_s = time.time() - t1
             feed_stats = {
@@ -192,7 +228,9 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _
         config_fingerprint=content_fingerprint(config),
         feed=feed_stats,
         checkpoints_discarded=ckpt.discarded,
-        engine={"vllm_version": eng.vllm_version(), "args": eng.engine_kwargs(config["model"])},
+        engine={"vllm_version": eng.vllm_version(), "args": eng.engine_kwargs(model_cfg)},
+        memory_failures=failures,
+        memory_overrides=overrides,
         host=socket.gethostname(),
         slurm=_slurm_info(),
         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -200,6 +238,24 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _
     )
     atomic_write_text(stats_path, json.dumps(stats, indent=1, default=str) + "\n")
     return stats
+
+
+def _record_if_memory(
+    error: Exception, stage: str, failures: list, path: Path, base_cfg: dict, model_cfg: dict
+) -> None:
+    """When ``error`` was memory running out, record it for the next attempt and say so."""
+    text = "".join(traceback.format_exception(error)) + _own_log_tail()
+    if not eng.is_memory_error(text):
+        return
+    settings = {k: model_cfg.get(k) for k in ("max_num_seqs", "gpu_memory_utilization", "kv_cache_dtype")}
+    failures.append({"stage": stage, "error": f"{type(error).__name__}: {error}"[:500], "settings": settings})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(failures, indent=1) + "\n")
+    nxt = eng.lowered_memory_settings(base_cfg, len(failures))
+    raise OutOfMemory(
+        f"out of memory during {stage} with {settings}; the next attempt uses {nxt}. "
+        "If it keeps failing: lower model.max_model_len, then max_num_seqs, or use more GPUs."
+    ) from error
 
 
 def _rows(source: Any, shard: Shard, done: set[int]) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -1,0 +1,105 @@
+"""A shard job on the real vLLM engine (CPU build), in process, sharing one engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from shardgen.generate import Interrupted, run_shard
+from shardgen.outputs import ShardCheckpoint
+from shardgen.plan import write_manifest
+from tests.conftest import base_config, make_rows, write_parquet
+
+pytestmark = pytest.mark.engine
+
+
+def plan(tmp_path, rows, **overrides):
+    data = write_parquet(tmp_path / "in.parquet", rows)
+    config = base_config({"parquet": [str(data)]}, output={"dir": str(tmp_path / "out")}, **overrides)
+    manifest = tmp_path / "manifest.json"
+    write_manifest(config, manifest)
+    return config, manifest
+
+
+def run(tmp_path, config, manifest, shard, llm):
+    out, stats = tmp_path / f"{shard}.parquet", tmp_path / f"{shard}.stats.json"
+    run_shard(config, manifest, shard, out, stats, llm=llm)
+    return pq.read_table(out), json.loads(stats.read_text())
+
+
+def test_every_row_of_a_shard_gets_a_generation_and_the_stats_match_the_rows(tmp_path, llm):
+    config, manifest = plan(tmp_path, make_rows(20))
+    table, stats = run(tmp_path, config, manifest, "00001", llm)
+    assert table.column("row_index").to_pylist() == list(range(8, 16))
+    assert table.column("id").to_pylist() == [f"r{i:05d}" for i in range(8, 16)]
+    assert all(g and g.strip() for g in table.column("generation").to_pylist())
+    assert set(table.column("finish_reason").to_pylist()) <= {"stop", "length"}
+    assert table.column("error").null_count == table.num_rows
+    assert stats["rows"] == 8 and stats["errors"] == 0 and stats["rows_generated"] == 8
+    assert stats["generated_tokens"] == pc.sum(table.column("generated_tokens")).as_py()
+    assert stats["prompt_tokens"] == pc.sum(table.column("prompt_tokens")).as_py()
+    assert stats["generated_tokens"] <= 8 * config["sampling"]["max_tokens"]
+    assert stats["ttft_p50_s"] > 0 and stats["output_tokens_per_s"] > 0
+    assert stats["histograms"]["ttft_s"], "time to first token comes from vLLM's per-request metrics"
+
+
+def test_the_shared_engine_runs_with_an_fp8_kv_cache(llm):
+    assert llm.llm_engine.vllm_config.cache_config.cache_dtype == "fp8"
+    out = llm.generate(["The capital of France is"], use_tqdm=False)[0].outputs[0].text
+    assert out.strip()
+
+
+def test_an_overlong_prompt_is_a_row_error_and_the_shard_goes_on(tmp_path, llm):
+    rows = make_rows(8)
+    rows[3]["topic"] = "very long " * 2000  # far beyond max_model_len (1024)
+    rows[5]["topic"] = None
+    config, manifest = plan(tmp_path, rows)
+    table, stats = run(tmp_path, config, manifest, "00000", llm)
+    errors = table.column("error").to_pylist()
+    assert errors[3].startswith("prompt_too_long: the prompt has ")
+    assert errors[5] == "null_value: column 'topic' is null"
+    assert all(e is None for i, e in enumerate(errors) if i not in (3, 5))
+    assert stats["errors"] == 2 and stats["error_reasons"] == {"prompt_too_long": 1, "null_value": 1}
+    assert table.column("generation").to_pylist()[4]
+
+
+def test_a_stopped_shard_saves_finished_rows_and_the_next_attempt_generates_only_the_rest(tmp_path, llm, monkeypatch):
+    config, manifest = plan(
+        tmp_path, make_rows(16), shards={"rows_per_shard": 16}, checkpoint={"rows": 3, "seconds": 300}
+    )
+    real_flush = ShardCheckpoint.flush
+    flushed: list[int] = []
+
+    def flush_then_sigterm(self, rows):
+        real_flush(self, rows)
+        if rows:
+            flushed.append(len(rows))
+            if len(flushed) == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # what Slurm sends at the time limit
+
+    monkeypatch.setattr(ShardCheckpoint, "flush", flush_then_sigterm)
+    with pytest.raises(Interrupted, match="stopped by SIGTERM"):
+        run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", llm=llm)
+    saved = sum(flushed)
+    assert 3 <= saved < 16
+    assert not (tmp_path / "s.parquet").exists()
+
+    monkeypatch.setattr(ShardCheckpoint, "flush", real_flush)
+    table, stats = run(tmp_path, config, manifest, "00000", llm)
+    assert table.column("row_index").to_pylist() == list(range(16))
+    assert stats["rows_resumed"] == saved and stats["rows_generated"] == 16 - saved
+    assert stats["attempt_requests"] == 16 - saved
+    assert not (tmp_path / "out" / "checkpoints" / "00000").exists()
+
+
+def test_thread_variables_from_snakemake_are_dropped_before_the_engine_starts(tmp_path, llm, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    config, manifest = plan(tmp_path, make_rows(2))
+    _, stats = run(tmp_path, config, manifest, "00000", llm)
+    assert stats["thread_env_removed"] == {"OMP_NUM_THREADS": "2"}
+    assert "OMP_NUM_THREADS" not in os.environ

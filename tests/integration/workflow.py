@@ -1,0 +1,117 @@
+"""Running the real workflow (snakemake, a profile, the real engine) from tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import yaml
+
+from tests.conftest import ROOT, TEST_MODEL_CFG
+
+BIN = Path(sys.executable).parent
+
+
+def slurm_available() -> bool:
+    if not shutil.which("sinfo"):
+        return False
+    r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
+    return r.returncode == 0 and any(s in r.stdout for s in ("idle", "mix", "alloc"))
+
+
+def workflow_config(inputs: dict[str, Any], **sections: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "input": inputs,
+        "shards": {"rows_per_shard": 10},
+        "prompt": {"system": "Answer in one short sentence.", "template": "What is {{ topic }}?"},
+        "model": dict(TEST_MODEL_CFG),
+        "sampling": {"temperature": 0.0, "max_tokens": 8},
+        "resources": {"mem_mb": 6000, "cpus_per_task": 2, "runtime": 20},
+    }
+    config.update(sections)
+    return config
+
+
+def _command(workdir: Path, config: dict[str, Any], profile: str, args: tuple[str, ...]) -> tuple[list[str], dict]:
+    configfile = workdir / "config.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
+    cmd = [
+        str(BIN / "snakemake"),
+        "--snakefile",
+        str(ROOT / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--profile",
+        str(ROOT / "profiles" / profile),
+        "--configfile",
+        str(configfile),
+        *args,
+    ]
+    return cmd, env
+
+
+def _failure(workdir: Path, rc: int, stdout: str, stderr: str) -> AssertionError:
+    logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(workdir.glob("results/logs/**/*.log")))
+    return AssertionError(f"snakemake failed ({rc}):\n{stdout[-4000:]}\n{stderr[-6000:]}\n{logs}")
+
+
+def run_workflow(
+    workdir: Path, config: dict[str, Any], profile: str, *args: str, check: bool = True
+) -> subprocess.CompletedProcess:
+    """``snakemake --profile profiles/<profile> --configfile <config>`` in ``workdir``."""
+    cmd, env = _command(workdir, config, profile, args)
+    r = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=1500)
+    if check and r.returncode != 0:
+        raise _failure(workdir, r.returncode, r.stdout, r.stderr)
+    return r
+
+
+class Background:
+    """A workflow run in the background, for tests that break it while it runs."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any], profile: str, *args: str) -> None:
+        cmd, env = _command(workdir, config, profile, args)
+        self.workdir = workdir
+        self.out = open(workdir / "snakemake.out", "w+")  # closed in wait()
+        self.proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=self.out, stderr=subprocess.STDOUT)
+
+    def wait_until(self, predicate, timeout: float, what: str) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if predicate():
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the workflow ended before {what}:\n{self.output()[-5000:]}")
+            time.sleep(0.2)
+        self.proc.kill()
+        raise AssertionError(f"timed out waiting for {what}:\n{self.output()[-5000:]}")
+
+    def output(self) -> str:
+        self.out.flush()
+        return (self.workdir / "snakemake.out").read_text()
+
+    def wait(self, timeout: float = 1500) -> str:
+        rc = self.proc.wait(timeout=timeout)
+        text = self.output()
+        self.out.close()
+        if rc != 0:
+            raise _failure(self.workdir, rc, text, "")
+        return text
+
+
+def part_rows(checkpoint_dir: Path) -> int:
+    """Rows in the intact checkpoint parts of a shard."""
+    total = 0
+    for part in checkpoint_dir.glob("part-*.parquet"):
+        try:
+            total += pq.read_metadata(part).num_rows
+        except Exception:  # noqa: BLE001 - a part being written is not counted
+            continue
+    return total
