@@ -42,5 +42,10 @@ format: setup
 test: setup slurm lint
 	$(RUN) pytest $(PYTEST_ARGS)
 
+# The throughput benchmark: raw vLLM against shardgen's generate path, one
+# engine, alternating runs; writes bench/results/throughput.{json,md}.
+bench: setup
+	$(RUN) python bench/throughput.py
+
 clean:
 	rm -rf results .snakemake

@@ -83,7 +83,7 @@ def llm(model_dir: Path):
     clear_thread_env()
     engine = make_llm({**TEST_MODEL_CFG, "kv_cache_dtype": "fp8"})
     yield engine
-    del engine
+    engine.llm_engine.engine_core.shutdown()
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ need to hold every prompt and every output at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -241,7 +242,10 @@ class Feeder:
                         yield _completion(in_flight.pop(out.request_id), out, now)
         finally:
             if in_flight:
-                self._engine.abort_request(list(in_flight))
+                # The engine may be dead already (that may be why we stop); the
+                # original error is the one worth raising.
+                with contextlib.suppress(Exception):
+                    self._engine.abort_request(list(in_flight))
 
 
 def _completion(key: int, out: Any, now: float) -> Completion:

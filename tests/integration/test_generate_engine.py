@@ -68,10 +68,8 @@ def test_an_overlong_prompt_is_a_row_error_and_the_shard_goes_on(tmp_path, llm):
     assert table.column("generation").to_pylist()[4]
 
 
-def test_a_stopped_shard_saves_finished_rows_and_the_next_attempt_generates_only_the_rest(tmp_path, llm, monkeypatch):
-    config, manifest = plan(
-        tmp_path, make_rows(16), shards={"rows_per_shard": 16}, checkpoint={"rows": 3, "seconds": 300}
-    )
+def stop_after_first_flush(monkeypatch) -> list[int]:
+    """Send the job SIGTERM (what Slurm sends at the time limit) right after its first saved part."""
     real_flush = ShardCheckpoint.flush
     flushed: list[int] = []
 
@@ -80,21 +78,54 @@ def test_a_stopped_shard_saves_finished_rows_and_the_next_attempt_generates_only
         if rows:
             flushed.append(len(rows))
             if len(flushed) == 1:
-                os.kill(os.getpid(), signal.SIGTERM)  # what Slurm sends at the time limit
+                os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(ShardCheckpoint, "flush", flush_then_sigterm)
-    with pytest.raises(Interrupted, match="stopped by SIGTERM"):
-        run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", llm=llm)
-    saved = sum(flushed)
-    assert 3 <= saved < 16
-    assert not (tmp_path / "s.parquet").exists()
+    return flushed
 
-    monkeypatch.setattr(ShardCheckpoint, "flush", real_flush)
+
+def partial_run(tmp_path, llm, monkeypatch, **overrides) -> tuple[dict, object, int]:
+    """Plan 16 rows in one shard and stop its job after some rows are saved."""
+    config, manifest = plan(
+        tmp_path, make_rows(16), shards={"rows_per_shard": 16}, checkpoint={"rows": 3, "seconds": 300}, **overrides
+    )
+    with monkeypatch.context() as m:
+        flushed = stop_after_first_flush(m)
+        with pytest.raises(Interrupted, match="stopped by SIGTERM"):
+            run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", llm=llm)
+    assert not (tmp_path / "s.parquet").exists()
+    return config, manifest, sum(flushed)
+
+
+def test_a_stopped_shard_saves_finished_rows_and_the_next_attempt_generates_only_the_rest(tmp_path, llm, monkeypatch):
+    config, manifest, saved = partial_run(tmp_path, llm, monkeypatch)
+    assert 3 <= saved < 16
     table, stats = run(tmp_path, config, manifest, "00000", llm)
     assert table.column("row_index").to_pylist() == list(range(16))
     assert stats["rows_resumed"] == saved and stats["rows_generated"] == 16 - saved
     assert stats["attempt_requests"] == 16 - saved
     assert not (tmp_path / "out" / "checkpoints" / "00000").exists()
+
+
+def test_a_truncated_part_is_detected_and_its_rows_generated_again(tmp_path, llm, monkeypatch):
+    config, manifest, saved = partial_run(tmp_path, llm, monkeypatch)
+    parts = sorted((tmp_path / "out" / "checkpoints" / "00000").glob("part-*.parquet"))
+    lost = pq.read_metadata(parts[-1]).num_rows
+    parts[-1].write_bytes(parts[-1].read_bytes()[:100])  # the job died while writing it
+    table, stats = run(tmp_path, config, manifest, "00000", llm)
+    assert table.column("row_index").to_pylist() == list(range(16))
+    assert stats["rows_resumed"] == saved - lost
+    assert len(stats["checkpoints_discarded"]) == 1 and "unreadable" in stats["checkpoints_discarded"][0]
+
+
+def test_checkpoints_of_a_changed_sampling_key_are_not_reused(tmp_path, llm, monkeypatch):
+    config, manifest, saved = partial_run(tmp_path, llm, monkeypatch)
+    assert saved > 0
+    config["sampling"]["max_tokens"] = 10  # was 12
+    table, stats = run(tmp_path, config, manifest, "00000", llm)
+    assert stats["rows_resumed"] == 0 and stats["rows_generated"] == 16
+    assert all("another configuration" in d for d in stats["checkpoints_discarded"])
+    assert max(table.column("generated_tokens").to_pylist()) <= 10
 
 
 def test_thread_variables_from_snakemake_are_dropped_before_the_engine_starts(tmp_path, llm, monkeypatch):

@@ -39,6 +39,15 @@ def generate_runtime(wildcards, attempt):
     return config["resources"]["runtime"] * attempt
 
 
+def slurm_signal(wildcards, attempt):
+    """Ask Slurm for SIGTERM a while before the time limit, so a job saves its
+    rows with time to spare (Slurm sends SIGTERM at the limit anyway, and
+    SIGKILL after KillWait). Only for limits of 10 minutes or more: Slurm may
+    signal up to a minute early."""
+    minutes = generate_runtime(wildcards, attempt)
+    return f"--signal=TERM@{min(300, minutes * 6)}" if minutes >= 10 else ""
+
+
 def print_summary():
     stats = Path(f"{OUT}/stats.json")
     if stats.exists():

@@ -21,6 +21,7 @@ rule generate_shard:
         cpus_per_task=config["resources"]["cpus_per_task"],
         mem_mb=config["resources"]["mem_mb"],
         runtime=generate_runtime,
+        slurm_extra=slurm_signal,
     params:
         # rerun when anything that decides the generated text changes
         fingerprint=lambda wildcards: shardgen_config.content_fingerprint(config),
