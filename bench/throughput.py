@@ -30,7 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from shardgen import config as cfg  # noqa: E402
-from shardgen.engine import Tokenizer, clear_thread_env, make_llm, make_sampling_params, vllm_version  # noqa: E402
+from shardgen.engine import (  # noqa: E402
+    Tokenizer,
+    clear_thread_env,
+    make_llm,
+    make_sampling_params,
+    shutdown,
+    vllm_version,
+)
 from shardgen.generate import run_shard  # noqa: E402
 from shardgen.plan import write_manifest  # noqa: E402
 from shardgen.prompts import PromptRenderer  # noqa: E402
@@ -102,6 +109,7 @@ def main() -> None:
             runs["raw"].append(toks / secs)
             secs, toks = shardgen_path(llm, config, manifest, work, i)
             runs["shardgen"].append(toks / secs)
+        shutdown(llm)
 
     raw, ours = statistics.median(runs["raw"]), statistics.median(runs["shardgen"])
     result = {

@@ -78,12 +78,12 @@ def llm(model_dir: Path):
     It runs with an FP8 KV cache, so every test that uses it also proves
     that ``kv_cache_dtype: fp8`` works on this build.
     """
-    from shardgen.engine import clear_thread_env, make_llm
+    from shardgen.engine import clear_thread_env, make_llm, shutdown
 
     clear_thread_env()
     engine = make_llm({**TEST_MODEL_CFG, "kv_cache_dtype": "fp8"})
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    shutdown(engine)
 
 
 @pytest.fixture

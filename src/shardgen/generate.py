@@ -192,8 +192,9 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _
         log.warning("shard %s: %d earlier attempt(s) ran out of memory; now %s", shard.id, len(failures), overrides)
     if len(done) < shard.rows:
         t0 = time.time()
+        own_engine = llm is None
         try:
-            if llm is None:
+            if own_engine:
                 llm = eng.make_llm(model_cfg)
         except Exception as e:
             _record_if_memory(e, "engine start", failures, failures_file, config["model"], model_cfg)
@@ -214,6 +215,8 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _
                 "max_in_flight": feeder.stats.max_in_flight,
                 "window": feeder.window,
             }
+            if own_engine:
+                eng.shutdown(llm)
         if stop():
             raise Interrupted(
                 f"shard {shard.id}: stopped by {signal.Signals(stop.signal).name}; "

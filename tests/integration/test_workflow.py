@@ -78,3 +78,20 @@ def test_local_profile_runs_a_dataset_saved_with_save_to_disk(tmp_path):
     # a second run finds everything up to date and runs nothing
     r = run_workflow(tmp_path, config, "local")
     assert "Nothing to be done" in r.stdout + r.stderr
+    # nor does a change of resources, memory settings or checkpoint interval
+    # (real runs: a dry run stops at the plan checkpoint once the config changed)
+    shard_files = sorted((tmp_path / "results" / "shards").glob("*.parquet"))
+    mtimes = [p.stat().st_mtime_ns for p in shard_files]
+    config["resources"]["runtime"] = 90
+    config["model"]["max_num_seqs"] = 8
+    config["checkpoint"] = {"rows": 5, "seconds": 60}
+    r = run_workflow(tmp_path, config, "local")
+    assert "rule generate_shard:" not in r.stdout + r.stderr
+    assert [p.stat().st_mtime_ns for p in shard_files] == mtimes
+    # a change of one sampling key reruns every shard
+    config["sampling"]["max_tokens"] = 5
+    run_workflow(tmp_path, config, "local")
+    table, rerun = check_output(tmp_path, [r["id"] for r in rows])
+    assert rerun["config_fingerprint"] != stats["config_fingerprint"]
+    assert [s["rows_generated"] for s in rerun["shards"]] == [10, 4]
+    assert max(table.column("generated_tokens").to_pylist()) <= 5

@@ -11,6 +11,12 @@ OUT = config["output"]["dir"]
 PLAN_DIR = f"{OUT}/plan"
 SHARD_DIR = f"{OUT}/shards"
 LOG_DIR = f"{OUT}/logs"
+# The validated config with defaults filled, which the shardgen commands
+# read: rules pass its path, never a config value. Written while the workflow
+# is parsed, and only when its content changes. (Not a rule's output: a rule
+# that reruns on every config change would, through Snakemake's masking of
+# downstream jobs, hide which shards a change of sampling must rerun.)
+CONFIG_JSON = shardgen_config.write_resolved(config, f"{PLAN_DIR}/config.json")
 GPUS = (
     config["model"]["tensor_parallel_size"] * config["model"]["pipeline_parallel_size"]
 )

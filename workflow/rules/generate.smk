@@ -4,7 +4,6 @@
 rule generate_shard:
     input:
         manifest=rules.plan_shards.output.manifest,
-        config=ancient(rules.write_config.output[0]),
     output:
         parquet=f"{SHARD_DIR}/{{shard}}.parquet",
         stats=f"{SHARD_DIR}/{{shard}}.stats.json",
@@ -23,9 +22,10 @@ rule generate_shard:
         runtime=generate_runtime,
         slurm_extra=slurm_signal,
     params:
+        config=CONFIG_JSON,
         # rerun when anything that decides the generated text changes
-        fingerprint=lambda wildcards: shardgen_config.content_fingerprint(config),
+        fingerprint=shardgen_config.content_fingerprint(config),
     shell:
-        "shardgen generate --config {input.config:q} --manifest {input.manifest:q}"
+        "shardgen generate --config {params.config:q} --manifest {input.manifest:q}"
         " --shard {wildcards.shard} --output {output.parquet:q} --stats {output.stats:q}"
         " > {log:q} 2>&1"
