@@ -131,6 +131,11 @@ def load(path: str | Path) -> dict[str, Any]:
     return validate(data)
 
 
+def gpus_per_job(config: dict[str, Any]) -> int:
+    """GPUs a generate job asks for: tensor × pipeline parallel size, all on one node."""
+    return config["model"]["tensor_parallel_size"] * config["model"]["pipeline_parallel_size"]
+
+
 def write_resolved(config: dict[str, Any], path: str | Path) -> str:
     """Write the config as JSON at ``path`` unless it already holds exactly that; return the path."""
     from shardgen.io import atomic_write_text

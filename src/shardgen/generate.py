@@ -25,7 +25,7 @@ from typing import Any
 import pyarrow as pa
 
 from shardgen import engine as eng
-from shardgen.config import content_config, content_fingerprint, digest
+from shardgen.config import content_config, content_fingerprint, digest, gpus_per_job
 from shardgen.errors import RowError, ShardgenError
 from shardgen.io import atomic_write_text
 from shardgen.outputs import ShardCheckpoint, output_schema
@@ -112,10 +112,6 @@ class _StopFlag:
     def __exit__(self, *exc: object) -> None:
         for s, h in self._previous.items():
             signal.signal(s, h)
-
-
-def _gpu_count(config: dict[str, Any]) -> int:
-    return config["model"]["tensor_parallel_size"] * config["model"]["pipeline_parallel_size"]
 
 
 def _slurm_info() -> dict[str, Any]:
@@ -332,7 +328,7 @@ def _shard_stats(config, shard, table: pa.Table, resumed: int, c: _Counters, eng
         if e is not None:
             reason = e.split(":", 1)[0]
             reasons[reason] = reasons.get(reason, 0) + 1
-    gpus = _gpu_count(config)
+    gpus = gpus_per_job(config)
     counters = {
         "rows": table.num_rows,
         "errors": sum(reasons.values()),

@@ -17,9 +17,7 @@ LOG_DIR = f"{OUT}/logs"
 # that reruns on every config change would, through Snakemake's masking of
 # downstream jobs, hide which shards a change of sampling must rerun.)
 CONFIG_JSON = shardgen_config.write_resolved(config, f"{PLAN_DIR}/config.json")
-GPUS = (
-    config["model"]["tensor_parallel_size"] * config["model"]["pipeline_parallel_size"]
-)
+GPUS = shardgen_config.gpus_per_job(config)
 
 
 wildcard_constraints:
