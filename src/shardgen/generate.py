@@ -171,7 +171,8 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _
     prompt_cfg = config["prompt"]
     renderer = PromptRenderer(prompt_cfg["template"], prompt_cfg.get("system"), prompt_cfg["chat"])
     fingerprint = shard_fingerprint(config, manifest, shard)
-    schema = output_schema(source.schema, fingerprint, content_fingerprint(config), shard.id)
+    config_fp = content_fingerprint(config)
+    schema = output_schema(source.schema, fingerprint, config_fp, shard.id)
     ckpt_cfg = config["checkpoint"]
     ckpt = ShardCheckpoint(Path(config["output"]["dir"]) / "checkpoints" / shard.id, shard.start, shard.stop, schema)
     done = ckpt.resume()
@@ -224,7 +225,7 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _
     stats = _shard_stats(config, shard, table, len(done), counters, engine_start_s, generation_s, wall_s)
     stats.update(
         fingerprint=fingerprint,
-        config_fingerprint=content_fingerprint(config),
+        config_fingerprint=config_fp,
         feed=feed_stats,
         checkpoints_discarded=ckpt.discarded,
         engine={"vllm_version": eng.vllm_version(), "args": eng.engine_kwargs(model_cfg)},
