@@ -1,6 +1,9 @@
 # shardgen: dataset -> shards -> one vLLM job per shard -> merged dataset.
 # This file only wires; the work is done by the `shardgen` package.
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
+
+from shardgen import config as shardgen_config
 
 min_version("9.0")
 
@@ -12,11 +15,20 @@ if not workflow.overwrite_configfiles:
     configfile: "config/config.yaml"
 
 
-validate(config, "workflow/schemas/config.schema.yaml")
+try:
+    validate(config, "workflow/schemas/config.schema.yaml")
+except WorkflowError:
+    # The same schema again, for a message that names the key and the fix.
+    shardgen_config.validate(config)
+    raise
+shardgen_config.check_consistency(config)
+for warning in shardgen_config.warnings(config):
+    logger.warning(f"shardgen: warning: {warning}")
 
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/plan.smk"
+include: "workflow/rules/preflight.smk"
 include: "workflow/rules/generate.smk"
 include: "workflow/rules/merge.smk"
 

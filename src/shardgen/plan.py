@@ -10,6 +10,7 @@ manifest.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from shardgen.io import atomic_write_text
 from shardgen.sources import Segment, Source, open_source, source_from_manifest
 
 MANIFEST_VERSION = 1
+SHARD_ID = re.compile(r"[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ def build_manifest(config: dict[str, Any]) -> dict[str, Any]:
     source = open_source(config["input"])
     renderer = PromptRenderer(config["prompt"]["template"], config["prompt"].get("system"))
     check_input_columns(source.schema, renderer.columns, config["input"].get("id_column"))
+    if source.num_rows == 0 and not config["input"]["allow_empty"]:
+        raise InputError(
+            f"input: {source.describe()} has no rows; nothing to generate. "
+            "Set input.allow_empty: true to end such runs cleanly with an empty output"
+        )
     shards = make_shards(source, config["shards"]["rows_per_shard"])
     return {
         "version": MANIFEST_VERSION,
@@ -85,6 +92,10 @@ class Manifest:
         if data.get("version") != MANIFEST_VERSION:
             raise InputError(f"manifest: version {data.get('version')} is not {MANIFEST_VERSION}; plan again")
         self.data = data
+        for s in data["shards"]:
+            # ids name files and directories: digits only, never a path
+            if not SHARD_ID.fullmatch(str(s["id"])):
+                raise InputError(f"manifest: the shard id {s['id']!r} is not a number; plan again")
         self.total_rows: int = data["total_rows"]
         self.shards = [
             Shard(s["id"], s["start"], s["stop"], [Segment(*g) for g in s["segments"]]) for s in data["shards"]

@@ -39,6 +39,8 @@ class PromptRenderer:
             self._template = self._env.from_string(parsed)
         except TemplateSyntaxError as e:
             raise ConfigError(f"prompt.template: syntax error on line {e.lineno}: {e.message}") from e
+        except (jinja2.TemplateError, RecursionError, MemoryError) as e:
+            raise ConfigError(f"prompt.template: cannot compile it: {type(e).__name__}: {e}") from e
         self.columns: frozenset[str] = frozenset(jinja2.meta.find_undeclared_variables(parsed))
         self.system = system
         self.chat = chat
@@ -50,11 +52,20 @@ class PromptRenderer:
             RowError: a column the template uses is missing or null, the
                 template fails on this row, or the result is empty.
         """
+        values = dict(row)
         for name in sorted(self.columns):
-            if name in row and row[name] is None:
+            value = values.get(name)
+            if name in values and value is None:
                 raise RowError("null_value", f"column '{name}' is null")
+            if isinstance(value, bytes):
+                try:
+                    values[name] = value.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise RowError(
+                        "undecodable_text", f"column '{name}' is not valid UTF-8 (byte {e.start}: {e.reason})"
+                    ) from None
         try:
-            text = self._template.render(row)
+            text = self._template.render(values)
         except UndefinedError as e:
             raise RowError("template_error", f"template: {e.message}") from e
         except SecurityError as e:

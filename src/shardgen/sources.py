@@ -124,6 +124,10 @@ class ParquetSource:
     def num_rows(self) -> int:
         return sum(f.rows for f in self.files)
 
+    def describe(self) -> str:
+        names = ", ".join(f"'{f.path}'" for f in self.files[:3])
+        return f"input.parquet ({len(self.files)} file(s): {names}{', ...' if len(self.files) > 3 else ''})"
+
     def to_manifest(self) -> dict[str, Any]:
         return {"kind": self.kind, "files": [asdict(f) for f in self.files]}
 
@@ -144,9 +148,9 @@ class ParquetSource:
             offset += f.rows
         return segs
 
-    def check_unchanged(self, indexes: set[int]) -> None:
-        """Refuse to read files whose size or modification time changed since planning."""
-        for i in sorted(indexes):
+    def check_unchanged(self, indexes: set[int] | None = None) -> None:
+        """Refuse files (these indexes, or all) whose size or modification time changed since planning."""
+        for i in sorted(range(len(self.files)) if indexes is None else indexes):
             f = self.files[i]
             try:
                 st = os.stat(f.path)
@@ -158,8 +162,10 @@ class ParquetSource:
                     "modification time changed); rerun the workflow to plan it again"
                 )
 
-    def read(self, segments: list[Segment], batch_rows: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:
-        """Stream the rows of the segments, reading only the row groups they touch."""
+    def read(
+        self, segments: list[Segment], batch_rows: int = BATCH_ROWS, columns: list[str] | None = None
+    ) -> Iterator[pa.RecordBatch]:
+        """Stream the rows of the segments (only ``columns`` if given), reading only the row groups they touch."""
         self.check_unchanged({s.file for s in segments})
         for seg in segments:
             info = self.files[seg.file]
@@ -173,7 +179,8 @@ class ParquetSource:
                     groups.append(g)
                 offset += n
             pos = first_row
-            for batch in pf.iter_batches(batch_size=batch_rows, row_groups=groups, use_threads=False):
+            batches = pf.iter_batches(batch_size=batch_rows, row_groups=groups, columns=columns, use_threads=False)
+            for batch in batches:
                 lo, hi = max(seg.start, pos), min(seg.stop, pos + batch.num_rows)
                 if lo < hi:
                     yield batch.slice(lo - pos, hi - lo)
@@ -243,6 +250,9 @@ class HFSource:
     def num_rows(self) -> int:
         return self._num_rows
 
+    def describe(self) -> str:
+        return f"input.{self.kind} ('{self.args['path']}')"
+
     def to_manifest(self) -> dict[str, Any]:
         return {"kind": self.kind, "args": self.args, "fingerprint": self.fingerprint, "rows": self._num_rows}
 
@@ -253,8 +263,14 @@ class HFSource:
     def segments(self, start: int, stop: int) -> list[Segment]:
         return [Segment(0, start, stop)] if start < stop else []
 
-    def read(self, segments: list[Segment], batch_rows: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:
-        ds = self.dataset
+    def check_unchanged(self, indexes: set[int] | None = None) -> None:
+        """Refuse a dataset whose fingerprint or length changed since planning."""
+        _ = self.dataset
+
+    def read(
+        self, segments: list[Segment], batch_rows: int = BATCH_ROWS, columns: list[str] | None = None
+    ) -> Iterator[pa.RecordBatch]:
+        ds = self.dataset if columns is None else self.dataset.select_columns(columns)
         for seg in segments:
             part = ds.select(range(seg.start, seg.stop)).with_format("arrow")
             for table in part.iter(batch_size=batch_rows):

@@ -5,8 +5,6 @@ from pathlib import Path
 from shardgen import config as shardgen_config
 from shardgen.stats import summary_text
 
-shardgen_config.check_consistency(config)
-
 OUT = config["output"]["dir"]
 PLAN_DIR = f"{OUT}/plan"
 SHARD_DIR = f"{OUT}/shards"

@@ -4,6 +4,8 @@
 rule generate_shard:
     input:
         manifest=rules.plan_shards.output.manifest,
+        # no GPU job starts before the run passed its checks
+        preflight=rules.preflight.output.report,
     output:
         parquet=f"{SHARD_DIR}/{{shard}}.parquet",
         stats=f"{SHARD_DIR}/{{shard}}.stats.json",

@@ -14,4 +14,4 @@ checkpoint plan_shards:
         # replanned when the input or the sharding changes
         plan=shardgen_config.digest([config["input"], config["shards"]]),
     shell:
-        "shardgen plan --config {params.config:q} --manifest {output.manifest:q} 2> {log:q}"
+        "shardgen plan --config {params.config:q} --manifest {output.manifest:q} 2>&1 | tee {log:q}"

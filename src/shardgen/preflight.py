@@ -1,0 +1,333 @@
+"""Preflight: everything that can be checked before a single GPU job is submitted.
+
+It runs once, on the machine the workflow starts on, after planning and
+before any generate job: the input is still as planned, the id column is
+unique, the model and its tokenizer load from local files, the precision can
+run on the installed vLLM build, and the template renders and fits the
+context on a sample of rows. Problems are collected and reported together;
+the report (``preflight.json``) also carries an estimate of the run's size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from shardgen import engine as eng
+from shardgen.config import engine_version, gpus_per_job, warnings
+from shardgen.errors import RowError, ShardgenError
+from shardgen.io import atomic_write_text
+from shardgen.plan import Manifest
+from shardgen.prompts import PromptRenderer
+
+# Weight formats that need a CUDA GPU: vLLM's CPU build has no kernels for them.
+GPU_ONLY_QUANTIZATION = frozenset(
+    {
+        "fp8",
+        "fp8_per_tensor",
+        "fp8_per_block",
+        "fp8_per_channel",
+        "fbgemm_fp8",
+        "ptpc_fp8",
+        "modelopt",
+        "modelopt_fp4",
+        "nvfp4",
+        "mxfp4",
+    }
+)
+# Where Hugging Face configs keep the context length (vLLM takes the smallest present).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+# Shards the sample is drawn from: a few rows at the start of each of up to this many, spread evenly.
+SAMPLE_SHARDS = 32
+
+
+class PreflightError(ShardgenError):
+    """The run would fail or waste GPU time; nothing has been submitted."""
+
+
+def _model_dir(model_cfg: dict[str, Any], key: str = "model") -> Path:
+    """The local directory of ``model.<key>``: a directory as given, or a hub id's snapshot in the cache.
+
+    Raises:
+        PreflightError: neither exists.
+    """
+    name = model_cfg[key]
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists() and key == "model":
+            raise PreflightError(f"model.model: '{name}' has no config.json; it is not a Hugging Face model directory")
+        return path
+    looks_like_path = path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1 or path.exists()
+    if looks_like_path:
+        raise PreflightError(f"model.{key}: no such directory: '{name}'")
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "config.json", revision=model_cfg.get("revision"))
+    if isinstance(cached, str):
+        return Path(cached).parent
+    if key == "tokenizer":
+        cached = try_to_load_from_cache(name, "tokenizer_config.json", revision=model_cfg.get("revision"))
+        if isinstance(cached, str):
+            return Path(cached).parent
+    raise PreflightError(
+        f"model.{key}: '{name}' is neither a local directory nor in the Hugging Face cache "
+        f"({constants.HF_HUB_CACHE}). Compute nodes are usually offline: download it first "
+        f"(huggingface-cli download {name}) or point model.{key} at a directory"
+    )
+
+
+def _hf_config(model_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise PreflightError(f"model.model: cannot read {model_dir / 'config.json'}: {e}") from e
+
+
+def model_context_length(hf_config: dict[str, Any]) -> tuple[int, str] | None:
+    """The model's own context length and the key it came from, as vLLM derives it."""
+    text = hf_config.get("text_config") or {}
+    found = [(int(c[k]), k) for c in (hf_config, text) for k in CONTEXT_KEYS if isinstance(c.get(k), int)]
+    return min(found) if found else None
+
+
+def check_precision(model_cfg: dict[str, Any], hf_config: dict[str, Any], build: str) -> list[str]:
+    """Weight formats the installed vLLM build cannot run."""
+    problems = []
+    wanted = model_cfg.get("quantization")
+    ckpt = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if build == "cpu":
+        if wanted in GPU_ONLY_QUANTIZATION:
+            problems.append(
+                f"model.quantization: '{wanted}' needs a CUDA GPU (native FP8 on Hopper/Ada, FP4 on Blackwell), "
+                "and this workflow runs vLLM's CPU build; remove model.quantization or install the CUDA build "
+                "(SHARDGEN_VLLM=gpu make setup)"
+            )
+        elif wanted is None and ckpt in GPU_ONLY_QUANTIZATION:
+            problems.append(
+                f"model.model: the checkpoint is quantized as '{ckpt}', which needs a CUDA GPU; "
+                "this workflow runs vLLM's CPU build"
+            )
+    return problems
+
+
+def check_engine_keys(model_cfg: dict[str, Any]) -> list[str]:
+    """``model.extra`` keys that are not ``vllm.LLM`` engine arguments."""
+    extra = model_cfg.get("extra") or {}
+    if not extra:
+        return []
+    import difflib
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    problems = []
+    for key in sorted(set(extra) - known):
+        near = difflib.get_close_matches(key, sorted(known), n=1)
+        problems.append(
+            f"model.extra.{key}: not an argument of vLLM {engine_version()}'s engine"
+            + (f" (did you mean '{near[0]}'?)" if near else "")
+        )
+    return problems
+
+
+def check_ids(source: Any, manifest: Manifest, column: str) -> list[str]:
+    """``input.id_column`` holds no nulls and no value twice (reads that column only)."""
+    segments = [seg for shard in manifest.shards for seg in shard.segments]
+    chunks = [b.column(0) for b in source.read(segments, columns=[column])]
+    if not chunks:
+        return []
+    ids = pa.chunked_array(chunks)
+    problems = []
+    if ids.null_count:
+        first = pc.index(pc.is_null(ids), True).as_py()
+        problems.append(f"input.id_column: '{column}' has {ids.null_count} null value(s), the first at row {first}")
+    counts = pc.value_counts(ids.drop_null())
+    repeated = counts.filter(pc.greater(counts.field("counts"), 1))
+    if len(repeated):
+        examples = ", ".join(f"{v['values']!r} ×{v['counts']}" for v in repeated[:3].to_pylist())
+        problems.append(
+            f"input.id_column: '{column}' is not unique: {len(repeated)} value(s) appear more than once ({examples})"
+        )
+    return problems
+
+
+def sample_rows(source: Any, manifest: Manifest, n: int) -> list[tuple[int, dict[str, Any]]]:
+    """About ``n`` rows: the first rows of up to ``SAMPLE_SHARDS`` shards spread over the plan."""
+    shards = manifest.shards
+    if not shards:
+        return []
+    k = min(len(shards), SAMPLE_SHARDS, n)
+    picked = sorted({round(i * (len(shards) - 1) / max(k - 1, 1)) for i in range(k)})
+    per = math.ceil(n / len(picked))
+    rows: list[tuple[int, dict[str, Any]]] = []
+    for i in picked:
+        shard = shards[i]
+        index = shard.start
+        for batch in source.read(shard.segments, batch_rows=min(per, 1024)):
+            for row in batch.to_pylist():
+                rows.append((index, row))
+                index += 1
+                if index - shard.start >= per:
+                    break
+            if index - shard.start >= per:
+                break
+    return rows[:n]
+
+
+def _load_tokenizer(model_cfg: dict[str, Any], model_dir: Path):
+    from transformers import AutoTokenizer
+
+    key = "tokenizer" if model_cfg.get("tokenizer") else "model"
+    where = _model_dir(model_cfg, "tokenizer") if key == "tokenizer" else model_dir
+    try:
+        return AutoTokenizer.from_pretrained(
+            str(where),
+            revision=model_cfg.get("revision"),
+            trust_remote_code=model_cfg.get("trust_remote_code", False),
+            local_files_only=True,
+        )
+    except Exception as e:  # transformers raises many kinds
+        raise PreflightError(f"model.{key}: cannot load the tokenizer from '{where}': {type(e).__name__}: {e}") from e
+
+
+def run(config: dict[str, Any], manifest_path: str | Path) -> dict[str, Any]:
+    """Check the run; return the report.
+
+    Raises:
+        PreflightError: listing every problem found.
+    """
+    manifest = Manifest.load(manifest_path)
+    source = manifest.source()
+    problems: list[str] = []
+    notes = list(warnings(config))
+    model_cfg, prompt_cfg, sampling = config["model"], config["prompt"], config["sampling"]
+    max_rate = config["errors"]["max_rate"]
+
+    # The input: as planned, and ids that identify rows.
+    source.check_unchanged()
+    if config["input"].get("id_column"):
+        problems += check_ids(source, manifest, config["input"]["id_column"])
+
+    # The model: local files, a tokenizer, a precision this build runs, a context that fits.
+    model_dir = _model_dir(model_cfg)
+    hf_config = _hf_config(model_dir)
+    build = eng.vllm_build()
+    problems += check_precision(model_cfg, hf_config, build)
+    problems += check_engine_keys(model_cfg)
+    own = model_context_length(hf_config)
+    max_len = model_cfg.get("max_model_len") or (own[0] if own else None)
+    if own and model_cfg.get("max_model_len") and model_cfg["max_model_len"] > own[0]:
+        problems.append(
+            f"model.max_model_len: {model_cfg['max_model_len']} is more than the model's own context "
+            f"({own[1]} = {own[0]} in {model_dir / 'config.json'}); vLLM refuses to start with it"
+        )
+    if max_len is not None and sampling["max_tokens"] >= max_len:
+        problems.append(
+            f"sampling.max_tokens ({sampling['max_tokens']}) leaves no room for a prompt in the model's "
+            f"context of {max_len} tokens"
+        )
+    tokenizer = eng.Tokenizer(_load_tokenizer(model_cfg, model_dir), max_len or 2**62)
+
+    # A sample of rows: the template renders, prompts tokenize and fit.
+    renderer = PromptRenderer(prompt_cfg["template"], prompt_cfg.get("system"), prompt_cfg["chat"])
+    sample = sample_rows(source, manifest, config["preflight"]["sample_rows"])
+    lengths: list[int] = []
+    reasons: dict[str, int] = {}
+    first_error: dict[str, str] = {}
+    for index, row in sample:
+        try:
+            lengths.append(len(tokenizer.encode(renderer.render(row))))
+        except RowError as e:
+            reasons[e.reason] = reasons.get(e.reason, 0) + 1
+            first_error.setdefault(e.reason, f"row {index}: {e}")
+    errors = sum(reasons.values())
+    detail = "; ".join(f"{k} {v} (first: {first_error[k]})" for k, v in sorted(reasons.items()))
+    if "template_unsafe" in reasons:
+        problems.append(f"prompt.template: the sandbox refused an unsafe operation: {first_error['template_unsafe']}")
+    elif sample and errors / len(sample) > max_rate:
+        problems.append(
+            f"prompt: {errors} of {len(sample)} sampled rows would be errors, more than errors.max_rate "
+            f"({max_rate}) allows, so every shard would fail: {detail}"
+        )
+    elif errors:
+        notes.append(
+            f"{errors} of {len(sample)} sampled rows will be per-row errors (about "
+            f"{round(errors / len(sample) * manifest.total_rows)} of all rows): {detail}"
+        )
+    if max_len is not None:
+        short = sum(1 for n in lengths if n + sampling["max_tokens"] > max_len)
+        if short:
+            notes.append(
+                f"{short} of {len(sample)} sampled rows leave fewer than sampling.max_tokens "
+                f"({sampling['max_tokens']}) tokens of the {max_len}-token context; their output stops early"
+            )
+
+    report = {
+        "ok": not problems,
+        "problems": problems,
+        "warnings": notes,
+        "vllm_build": build,
+        "vllm_version": engine_version(),
+        "model_dir": str(model_dir),
+        "max_model_len": max_len,
+        "sampled_rows": len(sample),
+        "sampled_errors": reasons,
+        "estimate": estimate(config, manifest, lengths),
+    }
+    if problems:
+        raise PreflightError(
+            f"preflight found {len(problems)} problem(s); no generate job was submitted:\n  - "
+            + "\n  - ".join(problems)
+        )
+    return report
+
+
+def estimate(config: dict[str, Any], manifest: Manifest, lengths: list[int]) -> dict[str, Any]:
+    """The run's size: rows, shards, prompt tokens (from the sample) and GPU-hours at the stated throughput."""
+    rows, shards = manifest.total_rows, len(manifest.shards)
+    pre = config["preflight"]
+    out_tokens = rows * config["sampling"]["max_tokens"]
+    mean_prompt = sum(lengths) / len(lengths) if lengths else 0.0
+    seconds = out_tokens / pre["tokens_per_second"] + shards * pre["engine_start_seconds"]
+    return {
+        "rows": rows,
+        "shards": shards,
+        "gpus_per_job": gpus_per_job(config),
+        "mean_prompt_tokens_sampled": round(mean_prompt, 1),
+        "prompt_tokens": round(mean_prompt * rows),
+        "output_tokens_at_most": out_tokens,
+        "assumed_tokens_per_second": pre["tokens_per_second"],
+        "assumed_engine_start_seconds": pre["engine_start_seconds"],
+        "gpu_hours_at_most": round(seconds * gpus_per_job(config) / 3600, 3),
+    }
+
+
+def report_text(report: dict[str, Any]) -> str:
+    e = report["estimate"]
+    lines = [
+        f"preflight: ok ({report['sampled_rows']} sampled rows; "
+        f"vLLM {report['vllm_version']}, {report['vllm_build']} build)",
+        f"  rows {e['rows']} in {e['shards']} shards, {e['gpus_per_job']} GPU(s) per job",
+        f"  prompt tokens about {e['prompt_tokens']} (mean {e['mean_prompt_tokens_sampled']} sampled), "
+        f"output tokens at most {e['output_tokens_at_most']}",
+        f"  GPU-hours at most {e['gpu_hours_at_most']} at {e['assumed_tokens_per_second']} output tokens/s "
+        f"and {e['assumed_engine_start_seconds']} s engine start per job (preflight.tokens_per_second, "
+        "preflight.engine_start_seconds)",
+    ]
+    lines += [f"  warning: {w}" for w in report["warnings"]]
+    return "\n".join(lines)
+
+
+def main_preflight(config: dict[str, Any], manifest: str, report_path: str) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    report = run(config, manifest)
+    atomic_write_text(report_path, json.dumps(report, indent=1) + "\n")
+    print(report_text(report))
+    return 0
