@@ -93,7 +93,7 @@ def explain(error) -> str:
     where = _key_path(error)
     if error.validator == "additionalProperties":
         allowed = _allowed_keys(list(error.absolute_path))
-        unknown = sorted(set(error.instance) - set(allowed))
+        unknown = sorted((str(k) for k in error.instance if k not in allowed), key=str)
         parts = []
         for key in unknown:
             full = f"{where}.{key}" if error.absolute_path else key
@@ -146,7 +146,7 @@ def check_consistency(config: dict[str, Any]) -> None:
             "prompt.system is set but prompt.chat is false: a system message needs the chat template; "
             "set prompt.chat: true, or put the instructions into prompt.template"
         )
-    for key in model.get("extra") or {}:
+    for key in map(str, model.get("extra") or {}):
         if key.lower() in SECRET_KEYS:
             raise ConfigError(_secret_message(f"model.extra.{key}"))
         if key in _allowed_keys(["model"]):

@@ -10,10 +10,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen.generate import Interrupted, run_shard
+from shardgen.errors import InputError
+from shardgen.generate import Interrupted, TooManyErrors, run_shard
 from shardgen.outputs import ShardCheckpoint
 from shardgen.plan import write_manifest
 from tests.conftest import base_config, make_rows, write_parquet
+from tests.integration.workflow import part_rows
 
 pytestmark = pytest.mark.engine
 
@@ -58,7 +60,7 @@ def test_an_overlong_prompt_is_a_row_error_and_the_shard_goes_on(tmp_path, llm):
     rows = make_rows(8)
     rows[3]["topic"] = "very long " * 2000  # far beyond max_model_len (1024)
     rows[5]["topic"] = None
-    config, manifest = plan(tmp_path, rows)
+    config, manifest = plan(tmp_path, rows, errors={"max_rate": 0.25})
     table, stats = run(tmp_path, config, manifest, "00000", llm)
     errors = table.column("error").to_pylist()
     assert errors[3].startswith("prompt_too_long: the prompt has ")
@@ -134,3 +136,40 @@ def test_thread_variables_from_snakemake_are_dropped_before_the_engine_starts(tm
     _, stats = run(tmp_path, config, manifest, "00000", llm)
     assert stats["thread_env_removed"] == {"OMP_NUM_THREADS": "2"}
     assert "OMP_NUM_THREADS" not in os.environ
+
+
+def test_a_shard_over_the_error_rate_fails_keeping_its_rows_and_its_retry_fails_before_the_engine(tmp_path, llm):
+    rows = make_rows(16)
+    for r in rows[4:]:
+        r["topic"] = None  # 12 of 16 rows are errors; errors.max_rate 0.25 allows 4
+    config, manifest = plan(
+        tmp_path, rows, shards={"rows_per_shard": 16}, errors={"max_rate": 0.25}, checkpoint={"rows": 2, "seconds": 300}
+    )
+    out, stats = tmp_path / "s.parquet", tmp_path / "s.json"
+    with pytest.raises(TooManyErrors, match=r"shard 00000: 5 of its 16 rows are errors.*\(4\).*null_value 5"):
+        run_shard(config, manifest, "00000", out, stats, llm=llm)
+    assert not out.exists() and not stats.exists()
+    assert part_rows(tmp_path / "out" / "checkpoints" / "00000") >= 5, "finished rows are kept"
+    # The retry counts the saved errors and stops before it would use an engine.
+    with pytest.raises(TooManyErrors, match="first: row 4: null_value"):
+        run_shard(config, manifest, "00000", out, stats, llm=object())
+
+
+def test_an_input_changed_after_planning_is_refused_before_the_engine_starts(tmp_path):
+    config, manifest = plan(tmp_path, make_rows(8))
+    write_parquet(tmp_path / "in.parquet", make_rows(9))
+    with pytest.raises(InputError, match=r"'.*in.parquet' changed after planning"):
+        run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", llm=object())
+
+
+def test_the_engine_listens_on_no_network_port(llm):
+    import psutil
+
+    me = psutil.Process()
+    listening = [
+        (p.pid, c.laddr)
+        for p in [me, *me.children(recursive=True)]
+        for c in p.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert listening == []

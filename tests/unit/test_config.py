@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import re
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardgen import config as cfg
 from shardgen.errors import ConfigError
@@ -105,3 +109,114 @@ def test_every_schema_key_has_a_description_and_is_documented_in_config_readme()
     walk(schema, "")
     missing = sorted(k for k in _keys(schema) if f"`{k}`" not in readme)
     assert not missing, f"config/README.md does not document: {missing}"
+
+
+def test_min_tokens_above_max_tokens_is_a_contradiction():
+    c = minimal() | {"sampling": {"max_tokens": 8, "min_tokens": 9}}
+    with pytest.raises(ConfigError, match=r"sampling.min_tokens \(9\) is larger than sampling.max_tokens \(8\)"):
+        cfg.validate(c)
+
+
+def test_a_system_prompt_without_chat_is_a_contradiction():
+    c = minimal()
+    c["prompt"] |= {"system": "Be brief.", "chat": False}
+    with pytest.raises(ConfigError, match="prompt.system is set but prompt.chat is false"):
+        cfg.validate(c)
+
+
+def test_model_extra_may_not_shadow_a_model_key():
+    c = minimal()
+    c["model"]["extra"] = {"max_num_seqs": 4}
+    with pytest.raises(ConfigError, match="model.extra.max_num_seqs: .* set model.max_num_seqs instead"):
+        cfg.validate(c)
+
+
+@pytest.mark.parametrize(("section", "key"), [("input.hf", "token"), ("model.extra", "hf_token")])
+def test_a_token_in_the_config_is_refused(section, key):
+    c = minimal()
+    if section == "input.hf":
+        c["input"] = {"hf": {"path": "x", key: "hf_secret"}}
+    else:
+        c["model"]["extra"] = {key: "hf_secret"}
+    with pytest.raises(ConfigError, match=rf"'{section}.{key}' would put a credential in the config.*HF_TOKEN") as e:
+        cfg.validate(c)
+    assert "hf_secret" not in str(e.value)
+
+
+@pytest.mark.parametrize("path", ["../out", "a/../../out", ".."])
+def test_an_output_dir_leaving_the_working_directory_is_refused(path):
+    c = minimal() | {"output": {"dir": path}}
+    with pytest.raises(ConfigError, match=rf"output.dir: '{re.escape(path)}' leads outside the working directory"):
+        cfg.validate(c)
+
+
+def test_an_absolute_output_dir_is_taken_as_given():
+    assert cfg.validate(minimal() | {"output": {"dir": "/scratch/run1"}})["output"]["dir"] == "/scratch/run1"
+
+
+def test_a_template_syntax_error_is_a_config_error():
+    c = minimal()
+    c["prompt"]["template"] = "{% for x in rows %}{{ x }}"
+    with pytest.raises(ConfigError, match="prompt.template: syntax error"):
+        cfg.validate(c)
+
+
+def test_trust_remote_code_gives_a_warning_naming_the_model():
+    c = minimal()
+    assert cfg.warnings(cfg.validate(copy.deepcopy(c))) == []
+    c["model"]["trust_remote_code"] = True
+    (w,) = cfg.warnings(cfg.validate(c))
+    assert "trust_remote_code" in w and "'m'" in w
+
+
+# Values a fuzzed config is built from: real keys, near misses, odd types.
+_keys_st = st.sampled_from(
+    [
+        "input",
+        "prompt",
+        "model",
+        "sampling",
+        "output",
+        "shards",
+        "template",
+        "model",
+        "max_tokens",
+        "dir",
+        "parquet",
+        "hf",
+        "disk",
+        "path",
+        "extra",
+        "max_model_len",
+        "min_tokens",
+        "system",
+        "chat",
+        "tokn",
+        "",
+    ]
+)
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=True) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_keys_st, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(_keys_st, _values, max_size=6), st.booleans())
+def test_fuzzed_configs_are_accepted_or_refused_with_a_config_error(data, start_valid):
+    config = minimal() if start_valid else {}
+    config.update(data)
+    try:
+        cfg.validate(config)
+    except ConfigError as e:
+        assert str(e)
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(max_size=200))
+def test_fuzzed_yaml_files_load_or_give_a_config_error(text, tmp_path_factory):
+    path = tmp_path_factory.mktemp("fuzz") / "c.yaml"
+    path.write_text(text)
+    with contextlib.suppress(ConfigError):
+        cfg.load(path)

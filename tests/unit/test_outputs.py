@@ -78,3 +78,16 @@ def test_commit_refuses_an_incomplete_shard(tmp_path):
     with pytest.raises(InputError, match="8 missing"):
         ck.commit(tmp_path / "shard.parquet")
     assert not (tmp_path / "shard.parquet").exists()
+
+
+def test_the_error_budget_fails_as_soon_as_the_final_rate_must_exceed_the_limit():
+    from shardgen.generate import ErrorBudget, TooManyErrors
+
+    budget = ErrorBudget("00007", rows=20, max_rate=0.1)  # 2 errors allowed
+    budget.add(3, "null_value: column 'x' is null")
+    budget.add(5, "prompt_too_long: 2000 tokens")
+    with pytest.raises(TooManyErrors, match=r"shard 00007: 3 of its 20 rows.*\(2\).*first: row 3: null_value"):
+        budget.add(9, "null_value: column 'x' is null")
+    with pytest.raises(TooManyErrors):
+        ErrorBudget("00007", rows=20, max_rate=0.1, errors=3, first="row 1: x")
+    ErrorBudget("00007", rows=20, max_rate=1.0, errors=20)  # 1 never fails

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardgen.errors import ConfigError, RowError
 from shardgen.prompts import PromptRenderer
@@ -68,3 +70,62 @@ def test_rendering_cannot_mutate_row_values():
     with pytest.raises(RowError):
         PromptRenderer("{{ items.append(3) }}").render(row)
     assert row["items"] == [1, 2]
+
+
+def test_bytes_that_are_not_utf8_are_a_row_error_naming_the_column():
+    r = PromptRenderer("{{ text }}")
+    assert r.render_text({"text": "é".encode()}) == "é"
+    with pytest.raises(RowError, match=r"undecodable_text: column 'text' is not valid UTF-8"):
+        r.render_text({"text": b"\xff\xfe"})
+
+
+_template_st = st.lists(
+    st.sampled_from(
+        [
+            "{{",
+            "}}",
+            "{%",
+            "%}",
+            " x ",
+            " if ",
+            " for ",
+            " in ",
+            " endfor ",
+            " endif ",
+            "|",
+            "upper",
+            ".",
+            "__class__",
+            "(",
+            ")",
+            "[",
+            "]",
+            "'",
+            "1",
+            "+",
+            " y ",
+            "mro",
+            "{#",
+            "#}",
+            "text",
+            "\n",
+            " set ",
+            "=",
+        ]
+    ),
+    max_size=12,
+).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(template=_template_st, value=st.none() | st.text(max_size=5) | st.integers() | st.binary(max_size=4))
+def test_fuzzed_templates_render_or_fail_with_a_config_or_row_error(template, value):
+    try:
+        r = PromptRenderer(template)
+    except ConfigError:
+        return
+    try:
+        out = r.render({"x": value, "y": [value], "text": value})
+    except RowError:
+        return
+    assert isinstance(out, list)

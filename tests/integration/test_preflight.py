@@ -1,0 +1,198 @@
+"""Bad input is caught before any GPU job: the preflight (real tokenizer, real files) and,
+through the real Slurm profile, nothing is submitted when a check fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from shardgen.cli import main
+from shardgen.plan import write_manifest
+from tests.conftest import base_config, make_rows, write_parquet
+from tests.integration.workflow import run_workflow, slurm_available, workflow_config
+
+
+def preflight(tmp_path, capsys, rows=None, data=None, **overrides) -> tuple[int, str]:
+    """Plan ``rows`` (or the given files) and run ``shardgen preflight``; return its exit status and stderr."""
+    files = data or [write_parquet(tmp_path / "in.parquet", rows if rows is not None else make_rows(40))]
+    config = base_config({"parquet": [str(f) for f in files]}, **overrides)
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    write_manifest(config, tmp_path / "m.json")
+    capsys.readouterr()
+    rc = main(["preflight", "--config", str(tmp_path / "c.json"), "--manifest", str(tmp_path / "m.json"),
+               "--report", str(tmp_path / "report.json")])  # fmt: skip
+    return rc, capsys.readouterr().err
+
+
+def test_a_good_run_passes_and_reports_an_estimate(tmp_path, capsys, model_dir):
+    rc, _ = preflight(tmp_path, capsys)
+    assert rc == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["ok"] and report["sampled_rows"] == 40 and report["vllm_build"] == "cpu"
+    est = report["estimate"]
+    assert est["rows"] == 40 and est["shards"] == 5 and est["output_tokens_at_most"] == 40 * 12
+    assert est["mean_prompt_tokens_sampled"] > 5 and est["gpu_hours_at_most"] > 0
+
+
+def _with_ids(tmp_path, capsys, ids):
+    rows = make_rows(len(ids))
+    for r, i in zip(rows, ids, strict=True):
+        r["id"] = i
+    data = write_parquet(tmp_path / "in.parquet", rows)
+    config = base_config({"parquet": [str(data)], "id_column": "id"})
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    write_manifest(config, tmp_path / "m.json")
+    capsys.readouterr()
+    rc = main(["preflight", "--config", str(tmp_path / "c.json"), "--manifest", str(tmp_path / "m.json"),
+               "--report", str(tmp_path / "r.json")])  # fmt: skip
+    return rc, capsys.readouterr().err
+
+
+def test_duplicate_ids_are_named(tmp_path, capsys, model_dir):
+    rc, err = _with_ids(tmp_path, capsys, ["a", "b", "c", "b", "e"])
+    assert rc == 2
+    assert "input.id_column: 'id' is not unique: 1 value(s) appear more than once ('b' ×2)" in err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_null_ids_are_named_with_the_first_row(tmp_path, capsys, model_dir):
+    rc, err = _with_ids(tmp_path, capsys, ["a", "b", None, "d", None])
+    assert rc == 2 and "input.id_column: 'id' has 2 null value(s), the first at row 2" in err
+
+
+def test_fp8_weights_on_the_cpu_build_are_refused_before_any_job(tmp_path, capsys, model_dir):
+    rc, err = preflight(tmp_path, capsys, model={"quantization": "fp8"})
+    assert rc == 2 and "model.quantization: 'fp8' needs a CUDA GPU" in err and "CPU build" in err
+
+
+def test_a_sandbox_escape_in_the_template_is_refused(tmp_path, capsys, model_dir):
+    rc, err = preflight(tmp_path, capsys, prompt={"template": "{{ topic.__class__.__mro__[1].__subclasses__() }}"})
+    assert rc == 2 and "prompt.template: the sandbox refused an unsafe operation" in err
+
+
+def test_a_template_failing_on_most_rows_fails_before_any_job(tmp_path, capsys, model_dir):
+    rows = make_rows(40)
+    for r in rows[::2]:
+        r["topic"] = None
+    rc, err = preflight(tmp_path, capsys, rows)
+    assert rc == 2
+    assert "prompt: 20 of 40 sampled rows would be errors, more than errors.max_rate (0.1)" in err
+    assert "null_value 20 (first: row 0: null_value: column 'topic' is null)" in err
+
+
+def test_a_few_overlong_prompts_are_a_warning_with_their_count(tmp_path, capsys, model_dir):
+    rows = make_rows(40)
+    rows[5]["topic"] = "long " * 1200  # beyond max_model_len 1024
+    rc, _ = preflight(tmp_path, capsys, rows)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert rc == 0 and report["sampled_errors"] == {"prompt_too_long": 1}
+    assert any("1 of 40 sampled rows will be per-row errors" in w for w in report["warnings"])
+
+
+def test_a_context_longer_than_the_models_own_is_refused(tmp_path, capsys, model_dir):
+    rc, err = preflight(tmp_path, capsys, model={"max_model_len": 10**6})
+    assert rc == 2 and "model.max_model_len: 1000000 is more than the model's own context" in err
+
+
+def test_a_missing_model_directory_is_named(tmp_path, capsys, model_dir):
+    rc, err = preflight(tmp_path, capsys, model={"model": str(tmp_path / "no-model")})
+    assert rc == 2 and f"model.model: no such directory: '{tmp_path / 'no-model'}'" in err
+
+
+def test_an_empty_dataset_is_an_error_unless_allowed(tmp_path, capsys):
+    empty = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "topic": pa.array([], pa.string())}), empty)
+    config = base_config({"parquet": [str(empty)]})
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    args = ["plan", "--config", str(tmp_path / "c.json"), "--manifest", str(tmp_path / "m.json")]
+    assert main(args) == 2
+    assert "has no rows; nothing to generate. Set input.allow_empty: true" in capsys.readouterr().err
+    config["input"]["allow_empty"] = True
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    assert main(args) == 0
+    out, stats = tmp_path / "out.parquet", tmp_path / "stats.json"
+    assert main(["merge", "--manifest", str(tmp_path / "m.json"), "--shard-dir", str(tmp_path / "shards"),
+                 "--output", str(out), "--stats", str(stats)]) == 0  # fmt: skip
+    table = pq.read_table(out)
+    assert table.num_rows == 0 and {"id", "topic", "generation", "error"} <= set(table.column_names)
+    assert "the input has no rows" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "kind", ["truncated", "not_parquet", "unreadable", "missing"], ids=lambda k: f"{k}_file_is_named"
+)
+def test_a_bad_input_file_is_named_at_planning(tmp_path, capsys, kind):
+    good = write_parquet(tmp_path / "good.parquet", make_rows(5))
+    bad = tmp_path / "bad.parquet"
+    if kind == "truncated":
+        bad.write_bytes(good.read_bytes()[:-20])
+    elif kind == "not_parquet":
+        bad.write_text("id,topic\n1,tea\n")
+    elif kind == "unreadable":
+        bad.write_bytes(good.read_bytes())
+        bad.chmod(0)
+        if os.access(bad, os.R_OK):
+            pytest.skip("running as root: every file is readable")
+    config = base_config({"parquet": [str(good), str(bad)]})
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    assert main(["plan", "--config", str(tmp_path / "c.json"), "--manifest", str(tmp_path / "m.json")]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err
+    expected = {
+        "truncated": "is not a valid Parquet file",
+        "not_parquet": "is not a valid Parquet file",
+        "unreadable": "permission denied",
+        "missing": "no such file",
+    }[kind]
+    assert expected in err
+
+
+# Through the real Slurm profile: a mistake stops the run before anything is submitted.
+SLURM_CASES = {
+    "unknown_key": ({"sampling": {"max_tokns": 8}}, "unknown key 'sampling.max_tokns' (did you mean 'max_tokens'?)"),
+    "wrong_type": ({"shards": {"rows_per_shard": "ten"}}, "shards.rows_per_shard: 'ten' is not of type 'integer'"),
+    "contradiction": ({"sampling": {"max_tokens": 2000}}, "sampling.max_tokens (2000) must be smaller than"),
+    "path_traversal": ({"output": {"dir": "../escape"}}, "output.dir: '../escape' leads outside the working directory"),
+    "template_syntax": ({"prompt": {"template": "{{ topic "}}, "prompt.template: syntax error on line 1"),
+    "missing_column": ({"prompt": {"template": "{{ title }}"}}, "prompt.template uses the column 'title'"),
+    "missing_file": ({"input": {"parquet": ["nowhere/*.parquet"]}}, "the pattern 'nowhere/*.parquet' matches no file"),
+    "fp8_weights_on_cpu": ({"model": "fp8"}, "model.quantization: 'fp8' needs a CUDA GPU"),
+    "duplicate_ids": ({"input": "ids"}, "input.id_column: 'id' is not unique"),
+}
+
+
+def _slurm_jobs() -> set[str]:
+    r = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True, check=True)
+    return set(r.stdout.split())
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("case", sorted(SLURM_CASES))
+def test_a_mistake_stops_the_slurm_run_before_any_job_is_submitted(tmp_path, model_dir, case):
+    if not slurm_available():
+        pytest.fail("the local Slurm cluster is not running: run `make slurm`")
+    change, message = SLURM_CASES[case]
+    rows = make_rows(12)
+    rows[9]["id"] = rows[1]["id"]
+    data = write_parquet(tmp_path / "data" / "in.parquet", rows)
+    config = workflow_config({"parquet": [str(data)]})
+    for key, value in change.items():
+        if key == "model":
+            config["model"]["quantization"] = value
+        elif value == "ids":
+            config["input"]["id_column"] = "id"
+        else:
+            config[key] = {**config.get(key, {}), **value}
+    before = _slurm_jobs()
+    r = run_workflow(tmp_path, config, "slurm", check=False)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert message in out, out[-3000:]
+    assert _slurm_jobs() == before, "a job was submitted to Slurm"
+    assert "submitted with SLURM jobid" not in out
+    assert not (tmp_path / "results" / "shards").exists()
