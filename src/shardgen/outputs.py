@@ -126,10 +126,10 @@ class ShardCheckpoint:
                 continue
             done.update(idx)
             self._tables.append(table)
-            errors = table.column("error").drop_null()
-            self.resumed_errors += len(errors)
-            if self.first_error is None and len(errors):
-                self.first_error = errors[0].as_py()
+            bad = table.filter(table.column("error").is_valid())
+            self.resumed_errors += bad.num_rows
+            if self.first_error is None and bad.num_rows:
+                self.first_error = f"row {bad.column('row_index')[0]}: {bad.column('error')[0]}"
         for stale in self.dir.glob(".part-*.tmp"):  # a write the job died in
             stale.unlink(missing_ok=True)
         return done
