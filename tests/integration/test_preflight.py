@@ -17,10 +17,10 @@ from tests.conftest import base_config, make_rows, write_parquet
 from tests.integration.workflow import run_workflow, slurm_available, workflow_config
 
 
-def preflight(tmp_path, capsys, rows=None, data=None, **overrides) -> tuple[int, str]:
-    """Plan ``rows`` (or the given files) and run ``shardgen preflight``; return its exit status and stderr."""
-    files = data or [write_parquet(tmp_path / "in.parquet", rows if rows is not None else make_rows(40))]
-    config = base_config({"parquet": [str(f) for f in files]}, **overrides)
+def preflight(tmp_path, capsys, rows=None, id_column=None, **overrides) -> tuple[int, str]:
+    """Plan ``rows`` and run ``shardgen preflight``; return its exit status and stderr."""
+    data = write_parquet(tmp_path / "in.parquet", rows if rows is not None else make_rows(40))
+    config = base_config({"parquet": [str(data)], "id_column": id_column}, **overrides)
     (tmp_path / "c.json").write_text(json.dumps(config))
     write_manifest(config, tmp_path / "m.json")
     capsys.readouterr()
@@ -43,21 +43,14 @@ def _with_ids(tmp_path, capsys, ids):
     rows = make_rows(len(ids))
     for r, i in zip(rows, ids, strict=True):
         r["id"] = i
-    data = write_parquet(tmp_path / "in.parquet", rows)
-    config = base_config({"parquet": [str(data)], "id_column": "id"})
-    (tmp_path / "c.json").write_text(json.dumps(config))
-    write_manifest(config, tmp_path / "m.json")
-    capsys.readouterr()
-    rc = main(["preflight", "--config", str(tmp_path / "c.json"), "--manifest", str(tmp_path / "m.json"),
-               "--report", str(tmp_path / "r.json")])  # fmt: skip
-    return rc, capsys.readouterr().err
+    return preflight(tmp_path, capsys, rows, id_column="id")
 
 
 def test_duplicate_ids_are_named(tmp_path, capsys, model_dir):
     rc, err = _with_ids(tmp_path, capsys, ["a", "b", "c", "b", "e"])
     assert rc == 2
     assert "input.id_column: 'id' is not unique: 1 value(s) appear more than once ('b' ×2)" in err
-    assert not (tmp_path / "r.json").exists()
+    assert not (tmp_path / "report.json").exists()
 
 
 def test_null_ids_are_named_with_the_first_row(tmp_path, capsys, model_dir):
