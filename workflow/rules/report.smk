@@ -1,0 +1,59 @@
+# Report: plots and a table of totals of a finished run, for `snakemake --report`.
+from pathlib import Path
+
+
+# The report's front page (here rather than in the Snakefile, so everything
+# the report needs is in this file; the path is relative to this file).
+report: "../report/workflow.rst"
+
+
+PLOT_DIR = f"{OUT}/plots"
+
+
+rule plot_stats:
+    input:
+        stats=rules.merge_shards.output.stats,
+        # the merged output in any output.format; only its token counts are read
+        dataset=rules.merge_shards.output.dataset,
+    output:
+        totals=report(
+            f"{PLOT_DIR}/totals.html",
+            caption="../report/totals.rst",
+            category="Summary",
+            labels={"figure": "Totals"},
+        ),
+        throughput=report(
+            f"{PLOT_DIR}/throughput.svg",
+            caption="../report/throughput.rst",
+            category="Throughput",
+            labels={"figure": "Output tokens/s per shard"},
+        ),
+        time_per_shard=report(
+            f"{PLOT_DIR}/time_per_shard.svg",
+            caption="../report/time_per_shard.rst",
+            category="Throughput",
+            labels={"figure": "Where the time went"},
+        ),
+        ttft=report(
+            f"{PLOT_DIR}/ttft.svg",
+            caption="../report/ttft.rst",
+            category="Latency",
+            labels={"figure": "Time to first token"},
+        ),
+        token_lengths=report(
+            f"{PLOT_DIR}/token_lengths.svg",
+            caption="../report/token_lengths.rst",
+            category="Tokens",
+            labels={"figure": "Prompt and output lengths"},
+        ),
+    log:
+        f"{LOG_DIR}/plot_stats.log",
+    localrule: True
+    conda:
+        "../envs/light.yaml"
+    params:
+        # the outputs' directory, derived from an output (not a hardcoded prefix)
+        out_dir=lambda wildcards, output: Path(output.totals).parent,
+    shell:
+        "shardgen plots --stats {input.stats:q} --output {input.dataset:q}"
+        " --out-dir {params.out_dir:q} > {log:q} 2>&1"
