@@ -66,3 +66,24 @@ def test_load_dataset_arguments_are_passed_through(parquet_files):
     m = Manifest(build_manifest(config))
     assert m.total_rows == 30
     assert _read_ids(m.source(), m.shard("00003")) == [f"r{i:05d}" for i in range(24, 30)]
+
+
+def test_segments_agree_with_a_walk_over_every_file_for_every_range_including_empty_files():
+    from shardgen.sources import ParquetFileInfo, ParquetSource
+
+    sizes = [3, 0, 5, 1, 0, 0, 4]
+    src = ParquetSource([ParquetFileInfo(f"f{i}", 0, 0, n) for i, n in enumerate(sizes)], None)
+
+    def walk(start, stop):
+        segs, offset = [], 0
+        for i, n in enumerate(sizes):
+            lo, hi = max(start, offset), min(stop, offset + n)
+            if lo < hi:
+                segs.append((i, lo - offset, hi - offset))
+            offset += n
+        return segs
+
+    total = sum(sizes)
+    for start in range(total + 1):
+        for stop in range(start, total + 2):
+            assert [(s.file, s.start, s.stop) for s in src.segments(start, stop)] == walk(start, stop)

@@ -1,0 +1,61 @@
+"""The scale benchmark runs in its smoke size and measures every step it promises."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def _positive(run: dict, *keys: str) -> None:
+    for key in keys:
+        assert isinstance(run[key], int | float) and run[key] > 0, (key, run)
+
+
+def test_the_scale_benchmark_measures_plan_dry_run_and_merge(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    cmd = [sys.executable, str(ROOT / "bench" / "scale.py"), "--size", "smoke", "--out", str(out), "--work", str(work)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((out / "scale.json").read_text())
+    assert result["size"] == "smoke"
+    assert "slurm" not in result  # only with --slurm
+
+    # planning: 100,000 and 1,000,000 rows, 10,000 rows per shard
+    plan = result["plan"]
+    assert [(p["rows"], p["shards"]) for p in plan["runs"]] == [(100_000, 10), (1_000_000, 100)]
+    for p in plan["runs"]:
+        _positive(p, "seconds", "peak_rss_mb", "manifest_bytes")
+        manifest = json.loads((work / "plan" / f"files-{p['files']}" / "manifest.json").read_text())
+        assert manifest["total_rows"] == p["rows"] and len(manifest["shards"]) == p["shards"]
+    assert plan["ratio_rows"] == 10
+
+    # the dry run lists one generate job per planned shard, plus preflight, merge and all
+    dry = result["dryrun"]
+    assert [d["shards"] for d in dry["runs"]] == [100, 1000]
+    for d in dry["runs"]:
+        _positive(d, "seconds", "peak_rss_mb")
+        jobs = d["jobs"]
+        assert (jobs["generate_shard"], jobs["preflight"], jobs["merge_shards"], jobs["all"]) == (d["shards"], 1, 1, 1)
+        assert "plan_shards" not in jobs  # the plan was taken as done
+        assert jobs["total"] == sum(n for job, n in jobs.items() if job != "total")
+        assert d["generate_jobs_listed"] == d["shards"]
+    assert dry["ratio_shards"] == 10
+    assert dry["ratio_seconds"] == round(dry["runs"][1]["seconds"] / dry["runs"][0]["seconds"], 2)
+
+    # merge: both runs wrote every planned row once, and summed the stats of every shard
+    merge = result["merge"]
+    assert [(m["rows"], m["shards"]) for m in merge["runs"]] == [(100_000, 10), (1_000_000, 100)]
+    for m in merge["runs"]:
+        _positive(m, "seconds", "peak_rss_mb", "output_bytes", "shard_bytes")
+        assert m["output_rows"] == m["stats_rows"] == m["rows"]
+        assert m["stats_shards"] == m["shards"]
+    assert merge["ratio_peak_rss"] == round(merge["runs"][1]["peak_rss_mb"] / merge["runs"][0]["peak_rss_mb"], 2)
+    # each step's peak RSS is its own, not this benchmark's: a bare import is smaller than a merge
+    assert 0 < merge["import_baseline"]["peak_rss_mb"] <= min(m["peak_rss_mb"] for m in merge["runs"])
+
+    md = (out / "scale.md").read_text()
+    for row in ("| plan |", "| `snakemake -n` | 1,000 shards |", "| merge ratio |"):
+        assert row in md
