@@ -1,11 +1,20 @@
 # shardgen: dataset -> shards -> one vLLM job per shard -> merged dataset.
 # This file only wires; the work is done by the `shardgen` package.
+import sys
+
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
 
 from shardgen import config as shardgen_config
+from shardgen.profile import ProfileError, unset_resources_message
 
 min_version("9.0")
+
+# SET_ME placeholders left in a cluster profile (partition, GPU type) stop the
+# run here, while the Snakefile is parsed: before any plan, fetch or job.
+_unset = unset_resources_message(workflow.resource_settings, sys.argv)
+if _unset:
+    raise ProfileError(_unset)
 
 
 # A --configfile on the command line replaces the example config instead of
@@ -31,12 +40,15 @@ include: "workflow/rules/plan.smk"
 include: "workflow/rules/preflight.smk"
 include: "workflow/rules/generate.smk"
 include: "workflow/rules/merge.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:
     default_target: True
     input:
         rules.merge_shards.output,
+        rules.plot_stats.output,
+        rules.push_to_hub.output if config["output"]["push_to_hub"] else [],
 
 
 onsuccess:

@@ -27,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--config", required=True)
     pre.add_argument("--manifest", required=True)
     pre.add_argument("--report", required=True, help="where to write the preflight report (JSON)")
+    pre.add_argument("--model-record", help="where the fetch step found the model (its JSON record)")
 
     gen = sub.add_parser("generate", help="run vLLM over one shard")
     gen.add_argument("--config", required=True)
@@ -34,12 +35,30 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--shard", required=True, help="shard id, as in the manifest")
     gen.add_argument("--output", required=True, help="the shard's Parquet output")
     gen.add_argument("--stats", required=True, help="the shard's stats JSON")
+    gen.add_argument("--model-record", help="where the fetch step found the model (its JSON record)")
+
+    push = sub.add_parser("push", help="push the merged output to output.push_to_hub (token from HF_TOKEN)")
+    push.add_argument("--config", required=True)
+    push.add_argument("--dataset", required=True, help="the merged output")
+    push.add_argument("--record", required=True, help="where to write what was pushed (JSON)")
+
+    sub.add_parser("engine-version", help="print the installed vLLM's version (without importing it)")
+
+    fetch = sub.add_parser("fetch-model", help="find the model on disk, or download it once, before any job")
+    fetch.add_argument("--config", required=True)
+    fetch.add_argument("--output", required=True, help="where to write the model record (JSON)")
 
     merge = sub.add_parser("merge", help="merge shard outputs into one dataset and stats")
+    merge.add_argument("--config", required=True)
     merge.add_argument("--manifest", required=True)
     merge.add_argument("--shard-dir", required=True)
     merge.add_argument("--output", required=True)
     merge.add_argument("--stats", required=True)
+
+    plots = sub.add_parser("plots", help="plots and a table of totals of a finished run, for the report")
+    plots.add_argument("--stats", required=True, help="the merged stats JSON")
+    plots.add_argument("--output", required=True, help="the merged output (only its token counts are read)")
+    plots.add_argument("--out-dir", required=True, help="where to write the plots (SVG) and totals.html")
     return p
 
 
@@ -56,15 +75,34 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "preflight":
             from shardgen.preflight import main_preflight
 
-            return main_preflight(cfg.load(args.config), args.manifest, args.report)
+            return main_preflight(cfg.load(args.config), args.manifest, args.report, args.model_record)
         if args.command == "generate":
             from shardgen.generate import main_generate
 
-            return main_generate(cfg.load(args.config), args.manifest, args.shard, args.output, args.stats)
+            return main_generate(
+                cfg.load(args.config), args.manifest, args.shard, args.output, args.stats, args.model_record
+            )
+        if args.command == "push":
+            from shardgen.merge import push
+
+            record = push(cfg.load(args.config), args.dataset, args.record)
+            print(f"pushed {record['rows']} rows to {record['repo_id']}", file=sys.stderr)
+            return 0
+        if args.command == "engine-version":
+            print(cfg.engine_version())
+            return 0
+        if args.command == "fetch-model":
+            from shardgen.fetch import main_fetch
+
+            return main_fetch(cfg.load(args.config), args.output)
         if args.command == "merge":
             from shardgen.merge import main_merge
 
-            return main_merge(args.manifest, Path(args.shard_dir), args.output, args.stats)
+            return main_merge(cfg.load(args.config), args.manifest, Path(args.shard_dir), args.output, args.stats)
+        if args.command == "plots":
+            from shardgen.report import main_plots
+
+            return main_plots(args.stats, args.output, args.out_dir)
     except ShardgenError as e:
         print(f"shardgen: error: {e}", file=sys.stderr)
         return 2

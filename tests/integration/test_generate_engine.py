@@ -51,12 +51,6 @@ def test_every_row_of_a_shard_gets_a_generation_and_the_stats_match_the_rows(tmp
     assert stats["histograms"]["ttft_s"], "time to first token comes from vLLM's per-request metrics"
 
 
-def test_the_shared_engine_runs_with_an_fp8_kv_cache(llm):
-    assert llm.llm_engine.vllm_config.cache_config.cache_dtype == "fp8"
-    out = llm.generate(["The capital of France is"], use_tqdm=False)[0].outputs[0].text
-    assert out.strip()
-
-
 def test_an_overlong_prompt_is_a_row_error_and_the_shard_goes_on(tmp_path, llm):
     rows = make_rows(8)
     rows[3]["topic"] = "very long " * 2000  # far beyond max_model_len (1024)

@@ -39,42 +39,56 @@ def check_output(workdir, ids: list[str]) -> tuple:
     assert STATS_KEYS <= set(stats)
     assert stats["rows"] == len(ids) and stats["errors"] == 0
     assert stats["generated_tokens"] == pc.sum(table.column("generated_tokens")).as_py()
-    assert stats["generated_tokens"] == sum(s["generated_tokens"] for s in stats["shards"])
+    # the totals are the sums over the shards, and the token counts those of the output rows
+    for key in ("rows", "errors", "prompt_tokens", "generated_tokens", "gpu_hours"):
+        assert stats[key] == pytest.approx(sum(s[key] for s in stats["shards"])), key
     assert stats["prompt_tokens"] == pc.sum(table.column("prompt_tokens")).as_py()
     assert stats["output_tokens_per_s"] > 0 and stats["ttft_p50_s"] > 0 and stats["gpu_hours"] > 0
     return table, stats
 
 
 @pytest.mark.slurm
-def test_slurm_profile_runs_one_gpu_job_per_shard_and_merges_every_row_once(tmp_path):
+def test_slurm_profile_runs_one_gpu_job_per_shard_and_merges_every_parsed_row_once(tmp_path):
     if not slurm_available():
         pytest.fail("no Slurm cluster: run `make slurm` (scripts/slurm-up.sh) first")
-    sizes, files, start = [12, 7, 11], [], 0
+    sizes, files, start = [12, 8], [], 0
     for i, n in enumerate(sizes):
         files.append(str(write_parquet(tmp_path / "data" / f"part-{i}.parquet", make_rows(n, start))))
         start += n
-    config = workflow_config({"parquet": [str(tmp_path / "data" / "*.parquet")], "id_column": "id"})
+    # a JSON extraction: every row's answer parses into the typed `parsed` column
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 24}}, "required": ["answer"]}
+    config = workflow_config(
+        {"parquet": [str(tmp_path / "data" / "*.parquet")], "id_column": "id"},
+        sampling={"temperature": 0.0, "max_tokens": 24, "structured_outputs": {"json": schema}},
+    )
     r = run_workflow(tmp_path, config, "slurm")
-    _, stats = check_output(tmp_path, [f"r{i:05d}" for i in range(30)])
-    assert len(stats["shards"]) == 3
+    table, stats = check_output(tmp_path, [f"r{i:05d}" for i in range(20)])
+    assert all(isinstance(p["answer"], str) for p in table.column("parsed").to_pylist())
+    assert len(stats["shards"]) == 2  # 20 rows in shards of 10, over two files
     for s in stats["shards"]:
         assert s["slurm"].get("job_id"), "each shard ran as a Slurm job"
         assert s["cuda_visible_devices"] == "0", "the job was given one (fake) GPU by the scheduler"
         assert s["gpus"] == 1
         assert "OMP_NUM_THREADS" in s["thread_env_removed"]
-    assert len({s["slurm"]["job_id"] for s in stats["shards"]}) == 3
+        assert s["queue_wait_seconds"] >= 0 and s["slurm"]["submit_time"], "Slurm's queue wait, from scontrol"
+    assert len({s["slurm"]["job_id"] for s in stats["shards"]}) == 2
     assert "output: results/output.parquet" in r.stdout + r.stderr
 
 
-def test_local_profile_runs_a_dataset_saved_with_save_to_disk(tmp_path):
+def test_local_profile_runs_a_dataset_saved_with_save_to_disk_into_a_datasets_directory(tmp_path):
     import datasets
 
     rows = make_rows(14)
     datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "ds")
-    config = workflow_config({"disk": str(tmp_path / "ds")})
+    # one shard: the Slurm test runs several
+    config = workflow_config({"disk": str(tmp_path / "ds")}, shards={"rows_per_shard": 14}, output={"format": "hf"})
     run_workflow(tmp_path, config, "local")
-    _, stats = check_output(tmp_path, [r["id"] for r in rows])
-    assert [s["rows"] for s in stats["shards"]] == [10, 4]
+    ds = datasets.load_from_disk(str(tmp_path / "results" / "output"))
+    stats = json.loads((tmp_path / "results" / "stats.json").read_text())
+    assert ds["id"] == [r["id"] for r in rows] and ds["row_index"] == list(range(14))
+    assert all(g.strip() for g in ds["generation"]) and stats["rows"] == 14 and stats["errors"] == 0
+    assert json.loads(ds.info.description)["shardgen_provenance"]["config_fingerprint"] == stats["config_fingerprint"]
+    assert [s["rows"] for s in stats["shards"]] == [14]
     # a second run finds everything up to date and runs nothing
     r = run_workflow(tmp_path, config, "local")
     assert "Nothing to be done" in r.stdout + r.stderr
@@ -85,13 +99,56 @@ def test_local_profile_runs_a_dataset_saved_with_save_to_disk(tmp_path):
     config["resources"]["runtime"] = 90
     config["model"]["max_num_seqs"] = 8
     config["checkpoint"] = {"rows": 5, "seconds": 60}
+    config["prompt"]["order"] = "input"
     r = run_workflow(tmp_path, config, "local")
     assert "rule generate_shard:" not in r.stdout + r.stderr
     assert [p.stat().st_mtime_ns for p in shard_files] == mtimes
-    # a change of one sampling key reruns every shard
-    config["sampling"]["max_tokens"] = 5
+    # a change of sampling reruns every shard: now three seeded samples per row
+    config["sampling"] = {"temperature": 0.8, "max_tokens": 5, "n": 3, "seed": 7}
     run_workflow(tmp_path, config, "local")
-    table, rerun = check_output(tmp_path, [r["id"] for r in rows])
+    ds = datasets.load_from_disk(str(tmp_path / "results" / "output"))
+    rerun = json.loads((tmp_path / "results" / "stats.json").read_text())
     assert rerun["config_fingerprint"] != stats["config_fingerprint"]
-    assert [s["rows_generated"] for s in rerun["shards"]] == [10, 4]
-    assert max(table.column("generated_tokens").to_pylist()) <= 5
+    assert [s["rows_generated"] for s in rerun["shards"]] == [14]
+    assert ds["row_index"] == [i for i in range(14) for _ in range(3)] and ds["sample_index"] == [0, 1, 2] * 14
+    assert rerun["output_rows"] == 42 and max(ds["generated_tokens"]) <= 5
+
+
+def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_token(tmp_path, monkeypatch):
+    """Shell metacharacters in values, a column named like a path, an output
+    directory with a space, and a token in the environment: the run labels
+    every row, runs nothing it was not asked to, and the token appears nowhere."""
+    marker = tmp_path.parent / f"{tmp_path.name}-pwned"
+    token = "hf_ShardgenTestSecret0123456789abcdef"
+    monkeypatch.setenv("HF_TOKEN", token)
+    rows = [
+        {"id": f"$(touch {marker})", "text": "I loved it; the best tea ever.", "../../evil": "a"},
+        {"id": f"`touch {marker}`", "text": "Terrible; it broke at once.", "../../evil": "b"},
+        {"id": "; rm -rf ~ #", "text": f"$(touch {marker}) is fine", "../../evil": "c"},
+        {"id": "r4", "text": "It is a clock.", "../../evil": "d"},
+    ]
+    write_parquet(tmp_path / "data" / "in.parquet", rows)
+    config = workflow_config(
+        {"parquet": ["data/in.parquet"], "id_column": "id"},
+        shards={"rows_per_shard": 4},
+        prompt={
+            "system": f"Label reviews. $(touch {marker}) `touch {marker}` ; rm -rf ~",
+            "template": "Review: {{ text }}\nLabel:",
+        },
+        sampling={"temperature": 0.0, "max_tokens": 4, "structured_outputs": {"choice": ["positive", "negative"]}},
+        output={"dir": "out dir; echo pwned", "format": "jsonl", "choice_probs": True},
+    )
+    run_workflow(tmp_path, config, "local")
+    assert not marker.exists(), "no config or row value ran as a shell command"
+    out = tmp_path / "out dir; echo pwned"
+    lines = [json.loads(line) for line in (out / "output.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in lines] == [r["id"] for r in rows]
+    assert [r["../../evil"] for r in lines] == ["a", "b", "c", "d"], "a column named like a path is just a column"
+    for r in lines:
+        assert r["error"] is None and r["label"] in ("positive", "negative")
+        assert abs(sum(r["choice_probs"].values()) - 1) < 1e-6 and r["label_prob"] > 0
+    assert not list(tmp_path.parent.glob("evil*")) and not (tmp_path / "evil").exists()
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["rows"] == 4 and stats["provenance"]["model"] == config["model"]["model"]
+    leaked = [str(p) for p in tmp_path.rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
+    assert leaked == [], f"the HF token was written to {leaked}"

@@ -50,6 +50,8 @@ def _command(workdir: Path, config: dict[str, Any], profile: str, args: tuple[st
         str(workdir),
         "--profile",
         str(ROOT / "profiles" / profile),
+        # the test cluster's partition, for the profile's SET_ME placeholder
+        *(["--default-resources", "slurm_partition=debug"] if profile == "slurm" else []),
         "--configfile",
         str(configfile),
         *args,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import re
 
 import pytest
@@ -220,3 +221,81 @@ def test_fuzzed_yaml_files_load_or_give_a_config_error(text, tmp_path_factory):
     path.write_text(text)
     with contextlib.suppress(ConfigError):
         cfg.load(path)
+
+
+def test_template_and_messages_column_together_are_a_contradiction():
+    c = minimal()
+    c["prompt"]["messages_column"] = "chat"
+    with pytest.raises(ConfigError, match="set exactly one of prompt.template and prompt.messages_column"):
+        cfg.validate(c)
+
+
+def test_choice_probs_need_choices_and_exclude_top_logprobs():
+    c = minimal() | {"output": {"choice_probs": True}}
+    with pytest.raises(ConfigError, match="output.choice_probs needs sampling.structured_outputs.choice"):
+        cfg.validate(copy.deepcopy(c))
+    c["sampling"] = {"structured_outputs": {"choice": ["a", "b"]}, "logprobs": 3}
+    with pytest.raises(ConfigError, match="output.choice_probs and sampling.logprobs cannot be combined"):
+        cfg.validate(c)
+
+
+def test_structured_outputs_take_exactly_one_kind():
+    c = minimal() | {"sampling": {"structured_outputs": {"choice": ["a", "b"], "regex": "a|b"}}}
+    with pytest.raises(ConfigError, match="sampling.structured_outputs"):
+        cfg.validate(c)
+
+
+def test_a_json_schema_file_is_read_into_the_config_so_its_content_is_fingerprinted(tmp_path):
+    path = tmp_path / "schema.json"
+    path.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    c = cfg.validate(minimal() | {"sampling": {"structured_outputs": {"json": str(path)}}})
+    assert c["sampling"]["structured_outputs"]["json"]["properties"]["a"] == {"type": "integer"}
+    before = cfg.content_fingerprint(c)
+    path.write_text('{"type": "object", "properties": {"a": {"type": "string"}}}')
+    after = cfg.content_fingerprint(cfg.validate(minimal() | {"sampling": {"structured_outputs": {"json": str(path)}}}))
+    assert before != after
+
+
+def test_a_broken_json_schema_names_the_key(tmp_path):
+    c = minimal() | {"sampling": {"structured_outputs": {"json": {"type": "objekt"}}}}
+    with pytest.raises(ConfigError, match="sampling.structured_outputs.json: not a valid JSON schema"):
+        cfg.validate(c)
+    missing = minimal() | {"sampling": {"structured_outputs": {"json": str(tmp_path / "nope.json")}}}
+    with pytest.raises(ConfigError, match="cannot read sampling.structured_outputs.json: the schema file"):
+        cfg.validate(missing)
+
+
+def test_the_submission_order_is_not_part_of_the_fingerprint_but_samples_are():
+    base = cfg.content_fingerprint(cfg.validate(minimal()))
+    assert (
+        cfg.content_fingerprint(cfg.validate(minimal() | {"prompt": {"template": "{{ text }}", "order": "input"}}))
+        == base
+    )
+    assert cfg.content_fingerprint(cfg.validate(minimal() | {"sampling": {"n": 2}})) != base
+    assert cfg.content_fingerprint(cfg.validate(minimal() | {"output": {"samples": "list"}})) != base
+
+
+def test_greedy_sampling_with_several_samples_warns():
+    (w,) = cfg.warnings(cfg.validate(minimal() | {"sampling": {"n": 3, "temperature": 0}}))
+    assert "every sample of a row will be the same" in w
+
+
+def test_a_controller_without_vllm_asks_the_shardgen_on_path_for_the_engine_version(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    def missing(dist):
+        raise metadata.PackageNotFoundError(dist)
+
+    fake = tmp_path / "shardgen"
+    fake.write_text('#!/bin/sh\n[ "$SHARDGEN_ENGINE_PROBE" = 1 ] && [ "$1" = engine-version ] && echo 9.9.9\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(cfg.metadata, "version", missing)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    cfg.engine_version.cache_clear()
+    try:
+        assert cfg.engine_version() == "9.9.9"
+        cfg.engine_version.cache_clear()
+        monkeypatch.setenv("SHARDGEN_ENGINE_PROBE", "1")  # the probe itself never probes again
+        assert cfg.engine_version() == "unknown"
+    finally:
+        cfg.engine_version.cache_clear()

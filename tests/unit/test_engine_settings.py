@@ -38,3 +38,11 @@ def test_a_chosen_kv_cache_dtype_is_kept_and_defaults_are_lowered_from_vllms():
     assert "kv_cache_dtype" not in low
     assert low["max_num_seqs"] == 128  # vLLM's default 256, halved
     assert lowered_memory_settings({}, 20)["gpu_memory_utilization"] == 0.5
+
+
+def test_a_rows_seed_depends_on_the_run_seed_and_the_row_id_only():
+    from shardgen.engine import row_seed
+
+    assert row_seed(1, "r00001") == row_seed(1, "r00001")
+    assert row_seed(1, "r00001") != row_seed(2, "r00001") != row_seed(1, "r00002")
+    assert 0 <= row_seed(123, 10**9) < 2**62

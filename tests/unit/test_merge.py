@@ -9,8 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardgen.errors import MergeError
-from shardgen.merge import merge
-from shardgen.outputs import output_schema
+from shardgen.merge import merge as merge_files
+from shardgen.outputs import PROVENANCE_KEY, output_schema
+from shardgen.results import ResultSpec
+from tests.conftest import base_config
 
 INPUT = pa.schema([pa.field("text", pa.string())])
 PLAN = [("00000", 0, 4), ("00001", 4, 8), ("00002", 8, 10)]
@@ -29,9 +31,18 @@ def write_plan(tmp_path, plan=PLAN):
     return path
 
 
-def write_shard(shard_dir, shard_id, indexes, config_fp="cfg"):
+def config(**output):
+    return base_config({"parquet": ["in.parquet"]}, output={"dir": "results", **output})
+
+
+def merge(*args, **output):
+    return merge_files(config(**output), *args)
+
+
+def write_shard(shard_dir, shard_id, indexes, config_fp="cfg", samples=1):
     shard_dir.mkdir(parents=True, exist_ok=True)
-    schema = output_schema(INPUT, f"fp-{shard_id}", config_fp, shard_id)
+    spec = ResultSpec({"n": samples}, {"samples": "rows"})
+    schema = output_schema(INPUT, f"fp-{shard_id}", config_fp, shard_id, spec.fields(), spec.rows_per_input)
     rows = [
         {
             "text": f"t{i}",
@@ -42,7 +53,9 @@ def write_shard(shard_dir, shard_id, indexes, config_fp="cfg"):
             "generated_tokens": 3,
             "error": None,
         }
+        | ({"sample_index": k} if samples > 1 else {})
         for i in indexes
+        for k in range(samples)
     ]
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), shard_dir / f"{shard_id}.parquet")
     stats = {
@@ -106,3 +119,38 @@ def test_merge_refuses_shards_of_mixed_configurations(tmp_path):
     write_shard(tmp_path / "shards", "00001", range(4, 8), config_fp="other")
     with pytest.raises(MergeError, match="2 different configurations"):
         merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "out.parquet", tmp_path / "stats.json")
+
+
+def test_merge_counts_every_sample_of_every_row(tmp_path):
+    for shard_id, a, b in PLAN:
+        write_shard(tmp_path / "shards", shard_id, range(a, b), samples=3)
+    merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "out.parquet", tmp_path / "stats.json")
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.num_rows == 30 and table.column("sample_index").to_pylist()[:4] == [0, 1, 2, 0]
+    # a row with one sample short is a missing row
+    table = pq.read_table(tmp_path / "shards" / "00001.parquet")
+    pq.write_table(table.slice(0, table.num_rows - 1), tmp_path / "shards" / "00001.parquet")
+    with pytest.raises(MergeError, match="shard 00001: 1 rows missing, 0 rows repeated"):
+        merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "out2.parquet", tmp_path / "stats.json")
+
+
+def test_each_output_format_loads_back_with_its_provenance(tmp_path):
+    import datasets
+
+    complete(tmp_path)
+    plan = write_plan(tmp_path)
+    merge(plan, tmp_path / "shards", tmp_path / "out.parquet", tmp_path / "s1.json")
+    meta = pq.read_schema(tmp_path / "out.parquet").metadata
+    prov = json.loads(meta[PROVENANCE_KEY])
+    assert prov["config_fingerprint"] == "cfg" and prov["model"].endswith("SmolLM2-135M-Instruct")
+
+    merge(plan, tmp_path / "shards", tmp_path / "out.jsonl", tmp_path / "s2.json", format="jsonl")
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert [json.loads(line)["row_index"] for line in lines] == list(range(10))
+    assert json.loads((tmp_path / "out.jsonl.provenance.json").read_text())["config_fingerprint"] == "cfg"
+    assert datasets.load_dataset("json", data_files=str(tmp_path / "out.jsonl"), split="train").num_rows == 10
+
+    merge(plan, tmp_path / "shards", tmp_path / "out_hf", tmp_path / "s3.json", format="hf")
+    ds = datasets.load_from_disk(str(tmp_path / "out_hf"))
+    assert ds["row_index"] == list(range(10)) and ds[3]["text"] == "t3"
+    assert json.loads(ds.info.description)["shardgen_provenance"]["config_fingerprint"] == "cfg"

@@ -129,3 +129,63 @@ def test_fuzzed_templates_render_or_fail_with_a_config_or_row_error(template, va
     except RowError:
         return
     assert isinstance(out, list)
+
+
+def test_few_shot_turns_come_after_the_system_message_and_before_the_row():
+    r = PromptRenderer(
+        "Review: {{ text }}",
+        system="Label reviews.",
+        few_shot=[{"role": "user", "content": "Review: great"}, {"role": "assistant", "content": "positive"}],
+    )
+    assert r.render({"text": "awful"}) == [
+        {"role": "system", "content": "Label reviews."},
+        {"role": "user", "content": "Review: great"},
+        {"role": "assistant", "content": "positive"},
+        {"role": "user", "content": "Review: awful"},
+    ]
+
+
+def test_a_messages_column_is_the_conversation_after_the_shared_prefix():
+    r = PromptRenderer(None, system="Be brief.", messages_column="chat")
+    assert r.columns == {"chat"}
+    chat = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "bye?"},
+    ]
+    assert r.render({"chat": chat}) == [{"role": "system", "content": "Be brief."}, *chat]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (None, "null_value: column 'chat' is null"),
+        ([], "invalid_messages: column 'chat' must hold a non-empty list"),
+        ([{"role": "robot", "content": "x"}], "invalid_messages: column 'chat', message 0: unknown role 'robot'"),
+        ([{"role": "user"}], "invalid_messages: column 'chat', message 0: needs 'role' and 'content'"),
+        ([{"role": "user", "content": " "}], "invalid_messages: column 'chat', message 0: empty"),
+        ([{"role": "system", "content": "x"}, {"role": "user", "content": "y"}], "prompt.system is set too"),
+        (
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            "the last message is the assistant",
+        ),
+    ],
+)
+def test_a_bad_messages_value_is_a_row_error_naming_the_column(value, message):
+    r = PromptRenderer(None, system="S", messages_column="chat")
+    with pytest.raises(RowError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        r.render({"chat": value})
+
+
+def test_template_and_messages_column_together_are_refused():
+    with pytest.raises(ConfigError, match="set exactly one of prompt.template and prompt.messages_column"):
+        PromptRenderer("{{ x }}", messages_column="chat")
+    with pytest.raises(ConfigError, match="set exactly one"):
+        PromptRenderer(None)
+
+
+def test_few_shot_and_messages_need_chat_mode():
+    with pytest.raises(ConfigError, match=r"prompt.few_shot needs chat mode"):
+        PromptRenderer("{{ x }}", chat=False, few_shot=[{"role": "user", "content": "a"}])
+    with pytest.raises(ConfigError, match=r"prompt.messages_column needs chat mode"):
+        PromptRenderer(None, chat=False, messages_column="chat")

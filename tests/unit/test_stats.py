@@ -66,3 +66,26 @@ def test_shard_stats_sum_and_throughput_is_over_generation_time():
     assert s["gpu_hours"] == pytest.approx(0.75)
     assert s["makespan_seconds"] == 60
     assert "prompt_too_long: 1" in summary_text(s)
+
+
+def test_run_totals_add_up_shard_by_shard_with_stragglers_speculation_and_gpu_hours():
+    from shardgen.stats import merge_shard_stats
+
+    shards = [
+        {"shard": "00000", "rows": 4, "attempt_generated_tokens": 40, "generation_seconds": 2.0, "wall_seconds": 10,
+         "gpu_hours": 0.5, "gpu_model": "NVIDIA H100", "spec_decode": {"draft_tokens": 30, "accepted_tokens": 12}},
+        {"shard": "00001", "rows": 4, "attempt_generated_tokens": 60, "generation_seconds": 2.0, "wall_seconds": 30,
+         "gpu_hours": 0.5, "gpu_model": "NVIDIA H100", "spec_decode": {"draft_tokens": 10, "accepted_tokens": 8},
+         "histograms": {"ttft_s": {"5": 2}}},
+        {"shard": "00002", "rows": 2, "attempt_generated_tokens": 20, "generation_seconds": 1.0, "wall_seconds": 12,
+         "gpu_hours": 0.25, "gpu_model": "NVIDIA B200", "peak_rss_mib": 900.0},
+    ]  # fmt: skip
+    t = merge_shard_stats(shards)
+    assert t["rows"] == 10 and t["attempt_generated_tokens"] == 120 and t["gpu_hours"] == 1.25
+    assert t["output_tokens_per_s"] == 120 / 5.0 and t["output_tokens_per_gpu_hour"] == 120 / 1.25
+    assert t["spec_decode"] == {"draft_tokens": 40, "accepted_tokens": 20, "acceptance_rate": 0.5}
+    assert t["makespan_seconds"] == 30 and t["slowest_shard"] == "00001" and t["median_shard_seconds"] == 12
+    assert t["slowest_over_median"] == 30 / 12 and t["peak_rss_mib"] == 900.0
+    assert t["gpu_models"] == {"NVIDIA H100": 2, "NVIDIA B200": 1}
+    assert t["num_shards"] == 3 and [s["shard"] for s in t["shards"]] == ["00000", "00001", "00002"]
+    assert "histograms" not in t["shards"][1], "stats.json keeps a summary of each shard, not its histograms"

@@ -3,12 +3,15 @@ import json
 from pathlib import Path
 
 from shardgen import config as shardgen_config
+from shardgen.merge import output_path
 from shardgen.stats import summary_text
 
 OUT = config["output"]["dir"]
 PLAN_DIR = f"{OUT}/plan"
 SHARD_DIR = f"{OUT}/shards"
 LOG_DIR = f"{OUT}/logs"
+MERGED = output_path(config)
+MODEL_RECORD = f"{PLAN_DIR}/model.json"
 # The validated config with defaults filled, which the shardgen commands
 # read: rules pass its path, never a config value. Written while the workflow
 # is parsed, and only when its content changes. (Not a rule's output: a rule
@@ -54,4 +57,4 @@ def print_summary():
     stats = Path(f"{OUT}/stats.json")
     if stats.exists():
         print(f"\n{summary_text(json.loads(stats.read_text()))}")
-        print(f"\noutput: {OUT}/output.parquet\nstats:  {stats}")
+        print(f"\noutput: {MERGED}\nstats:  {stats}")

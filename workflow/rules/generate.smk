@@ -13,6 +13,8 @@ rule generate_shard:
         f"{LOG_DIR}/generate_shard/{{shard}}.log",
     conda:
         "../envs/generate.yaml"
+    container:
+        config["software"]["container"]
     threads: config["resources"]["cpus_per_task"]
     resources:
         # all GPUs of a job on one node, one vLLM process that sees them all
@@ -25,9 +27,12 @@ rule generate_shard:
         slurm_extra=slurm_signal,
     params:
         config=CONFIG_JSON,
+        # a parameter, not an input: fetching again (a new download_dir) reruns no shard
+        model_record=MODEL_RECORD,
         # rerun when anything that decides the generated text changes
         fingerprint=shardgen_config.content_fingerprint(config),
     shell:
         "shardgen generate --config {params.config:q} --manifest {input.manifest:q}"
-        " --shard {wildcards.shard} --output {output.parquet:q} --stats {output.stats:q}"
+        " --shard {wildcards.shard} --model-record {params.model_record:q}"
+        " --output {output.parquet:q} --stats {output.stats:q}"
         " > {log:q} 2>&1"

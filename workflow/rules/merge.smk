@@ -6,7 +6,8 @@ rule merge_shards:
         unpack(all_shard_outputs),
         manifest=rules.plan_shards.output.manifest,
     output:
-        parquet=f"{OUT}/output.parquet",
+        # output.parquet, output.jsonl, or the directory output/ (output.format)
+        dataset=MERGED if config["output"]["format"] != "hf" else directory(MERGED),
         stats=f"{OUT}/stats.json",
     log:
         f"{LOG_DIR}/merge_shards.log",
@@ -14,7 +15,26 @@ rule merge_shards:
     conda:
         "../envs/light.yaml"
     params:
+        config=CONFIG_JSON,
         shard_dir=SHARD_DIR,
     shell:
-        "shardgen merge --manifest {input.manifest:q} --shard-dir {params.shard_dir:q}"
-        " --output {output.parquet:q} --stats {output.stats:q} > {log:q} 2>&1"
+        "shardgen merge --config {params.config:q} --manifest {input.manifest:q} --shard-dir {params.shard_dir:q}"
+        " --output {output.dataset:q} --stats {output.stats:q} > {log:q} 2>&1"
+
+
+# Only when output.push_to_hub is set; the token comes from HF_TOKEN.
+rule push_to_hub:
+    input:
+        dataset=rules.merge_shards.output.dataset,
+    output:
+        record=f"{OUT}/pushed.json",
+    log:
+        f"{LOG_DIR}/push_to_hub.log",
+    localrule: True
+    conda:
+        "../envs/light.yaml"
+    params:
+        config=CONFIG_JSON,
+    shell:
+        "shardgen push --config {params.config:q} --dataset {input.dataset:q} --record {output.record:q}"
+        " > {log:q} 2>&1"

@@ -1,4 +1,5 @@
-# Planning: the shard manifest, from metadata only.
+# Planning: the shard manifest, from metadata only, and the model, found on
+# disk or downloaded once.
 
 
 checkpoint plan_shards:
@@ -15,3 +16,23 @@ checkpoint plan_shards:
         plan=shardgen_config.digest([config["input"], config["shards"]]),
     shell:
         "shardgen plan --config {params.config:q} --manifest {output.manifest:q} 2>&1 | tee {log:q}"
+
+
+# On the machine the workflow starts on (usually a login node with internet),
+# so that compute nodes run offline and 500 jobs never hit the hub at once.
+rule fetch_model:
+    output:
+        record=MODEL_RECORD,
+    log:
+        f"{LOG_DIR}/fetch_model.log",
+    localrule: True
+    conda:
+        "../envs/light.yaml"
+    params:
+        config=CONFIG_JSON,
+        # fetched again when the model changes (which reruns every shard anyway)
+        model=shardgen_config.digest(
+            {k: config["model"].get(k) for k in ("model", "revision", "tokenizer")}
+        ),
+    shell:
+        "shardgen fetch-model --config {params.config:q} --output {output.record:q} 2>&1 | tee {log:q}"

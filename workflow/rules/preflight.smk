@@ -4,6 +4,7 @@
 rule preflight:
     input:
         manifest=rules.plan_shards.output.manifest,
+        model=rules.fetch_model.output.record,
     output:
         report=f"{PLAN_DIR}/preflight.json",
     log:
@@ -11,10 +12,12 @@ rule preflight:
     localrule: True
     conda:
         "../envs/generate.yaml"
+    container:
+        config["software"]["container"]
     params:
         config=CONFIG_JSON,
         # rechecked when what it checks changes (which reruns every shard anyway)
         checks=shardgen_config.content_fingerprint(config),
     shell:
         "shardgen preflight --config {params.config:q} --manifest {input.manifest:q}"
-        " --report {output.report:q} 2>&1 | tee {log:q}"
+        " --model-record {input.model:q} --report {output.report:q} 2>&1 | tee {log:q}"

@@ -1,0 +1,259 @@
+"""What a row's result holds, and how an engine completion becomes output rows.
+
+The columns shardgen adds to every input row depend on the sampling config:
+several samples per row (one output row per sample with a ``sample_index``,
+or list columns), structured outputs (the parsed JSON record as a typed
+struct column, or the chosen ``label``), label probabilities, and top-k
+log-probabilities. ``ResultSpec`` decides the columns once per run and turns
+each completion into rows; a sample that does not parse gets a per-row error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from shardgen.errors import ConfigError, RowError
+
+LOGPROB_TYPE = pa.list_(
+    pa.list_(pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())]))
+)
+# Every column shardgen may add; an input column of one of these names would clash.
+RESERVED_COLUMNS = (
+    "row_index",
+    "sample_index",
+    "generation",
+    "finish_reason",
+    "prompt_tokens",
+    "generated_tokens",
+    "parsed",
+    "label",
+    "label_prob",
+    "choice_probs",
+    "logprobs",
+    "error",
+)
+
+
+@dataclass
+class Sample:
+    """One generated sequence of a request."""
+
+    text: str
+    finish_reason: str | None
+    generated_tokens: int
+    # per position: (token_id, token, logprob) of the top-k and the sampled token
+    logprobs: list[list[tuple[int, str | None, float]]] | None = None
+    # log-probabilities of chosen token ids at the first position
+    first_logprobs: dict[int, float] | None = None
+
+
+def json_arrow_type(schema: Any) -> pa.DataType | None:
+    """The Arrow type for values of a JSON schema, or None where no fixed type fits.
+
+    Objects with ``properties`` become structs, arrays with ``items`` lists,
+    string/integer/number/boolean the matching scalars (an enum of strings is
+    a string). What has no single type (``anyOf``, free-form objects) is None:
+    such values are stored as JSON text.
+    """
+    if not isinstance(schema, dict):
+        return None
+    if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
+        return pa.string()
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kinds = [k for k in kind if k != "null"]
+        kind = kinds[0] if len(kinds) == 1 else None
+    if kind == "object" and isinstance(schema.get("properties"), dict) and schema["properties"]:
+        return pa.struct([(name, json_arrow_type(sub) or pa.string()) for name, sub in schema["properties"].items()])
+    if kind == "array" and isinstance(schema.get("items"), dict):
+        return pa.list_(json_arrow_type(schema["items"]) or pa.string())
+    return {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(), "boolean": pa.bool_()}.get(kind)
+
+
+def _to_typed(value: Any, schema: Any) -> Any:
+    """``value`` shaped for ``json_arrow_type(schema)``: untyped parts become JSON text."""
+    t = json_arrow_type(schema)
+    if t is None or value is None:
+        return None if value is None else json.dumps(value, ensure_ascii=False)
+    if pa.types.is_struct(t) and isinstance(value, dict):
+        props = schema["properties"]
+        return {k: _to_typed(value.get(k), sub) for k, sub in props.items()}
+    if pa.types.is_list(t) and isinstance(value, list):
+        return [_to_typed(v, schema["items"]) for v in value]
+    return value
+
+
+class ResultSpec:
+    """The result columns of a run, and the rows a completion gives.
+
+    Args:
+        sampling: the config's ``sampling`` section.
+        output: the config's ``output`` section.
+        choice_token_ids: the first token of each label (``output.choice_probs``),
+            as the engine's tokenizer encodes it.
+    """
+
+    def __init__(
+        self, sampling: dict[str, Any], output: dict[str, Any], choice_token_ids: Sequence[int] | None = None
+    ) -> None:
+        self.n: int = sampling.get("n", 1)
+        self.as_list = self.n > 1 and output.get("samples", "rows") == "list"
+        self.as_rows = self.n > 1 and not self.as_list
+        structured = sampling.get("structured_outputs") or {}
+        self.json_schema = structured.get("json")
+        self.choices: list[str] | None = structured.get("choice")
+        self.choice_probs = bool(output.get("choice_probs"))
+        # empty until the engine's tokenizer is known (the columns do not depend on it)
+        self.choice_token_ids = list(choice_token_ids or [])
+        if self.choice_token_ids and len(self.choice_token_ids) != len(self.choices or []):
+            raise ValueError("choice_token_ids must give one token per label")
+        self.logprobs: int | None = sampling.get("logprobs")
+        self.json_type = json_arrow_type(self.json_schema) if self.json_schema is not None else None
+        self._validator = None
+        if self.json_schema is not None:
+            from jsonschema import validators
+
+            self._validator = validators.validator_for(self.json_schema)(self.json_schema)
+
+    @property
+    def rows_per_input(self) -> int:
+        """Output rows each input row gives."""
+        return self.n if self.as_rows else 1
+
+    def _sample_fields(self) -> list[pa.Field]:
+        fields = [pa.field("generation", pa.string()), pa.field("finish_reason", pa.string())]
+        fields.append(pa.field("generated_tokens", pa.int32()))
+        if self.json_schema is not None:
+            fields.append(pa.field("parsed", self.json_type or pa.string()))
+        if self.choices:
+            fields.append(pa.field("label", pa.string()))
+        if self.choice_probs:
+            fields.append(pa.field("label_prob", pa.float64()))
+            fields.append(pa.field("choice_probs", pa.struct([(c, pa.float64()) for c in self.choices or []])))
+        if self.logprobs is not None:
+            fields.append(pa.field("logprobs", LOGPROB_TYPE))
+        return fields
+
+    def fields(self) -> list[pa.Field]:
+        """The result columns, in output order."""
+        sample = self._sample_fields()
+        if self.as_list:
+            sample = [pa.field(f.name, pa.list_(f.type)) for f in sample]
+        out = [pa.field("row_index", pa.int64(), nullable=False)]
+        if self.as_rows:
+            out.append(pa.field("sample_index", pa.int32()))
+        out += [*sample[:2], pa.field("prompt_tokens", pa.int32()), *sample[2:]]
+        out.append(pa.field("error", pa.string()))
+        return out
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.fields()]
+
+    def error_rows(self, row: dict[str, Any], index: int, error: str, prompt_tokens: int | None = None) -> list[dict]:
+        """The output rows of an input row that got no generation."""
+        base = {**row, **dict.fromkeys(self.names), "row_index": index, "prompt_tokens": prompt_tokens, "error": error}
+        if not self.as_rows:
+            return [base]
+        return [{**base, "sample_index": i} for i in range(self.n)]
+
+    def rows(self, row: dict[str, Any], index: int, prompt_tokens: int, samples: list[Sample]) -> list[dict]:
+        """The output rows of a completed input row; a sample that does not parse gets an error."""
+        results = [self._sample(s) for s in samples]
+        base = {**row, "row_index": index, "prompt_tokens": prompt_tokens}
+        if self.as_rows:
+            return [{**base, **r, "sample_index": i} for i, r in enumerate(results)]
+        if not self.as_list:
+            return [{**base, **results[0]}]
+        merged: dict[str, Any] = {f.name: [r[f.name] for r in results] for f in self._sample_fields()}
+        errors = [f"sample {i}: {r['error']}" for i, r in enumerate(results) if r["error"]]
+        return [{**base, **merged, "error": "; ".join(errors) or None}]
+
+    def _sample(self, s: Sample) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "generation": s.text,
+            "finish_reason": s.finish_reason,
+            "generated_tokens": s.generated_tokens,
+            "error": None,
+        }
+        try:
+            if self.json_schema is not None:
+                out["parsed"] = None
+                out["parsed"] = self._parse_json(s)
+            if self.choices:
+                out["label"] = None
+                out["label"] = self._label(s)
+        except RowError as e:
+            out["error"] = str(e)
+        if self.choice_probs:
+            probs = self._choice_probs(s)
+            out["choice_probs"] = probs
+            out["label_prob"] = probs.get(out["label"]) if probs and out.get("label") else None
+        if self.logprobs is not None:
+            out["logprobs"] = s.logprobs
+        return out
+
+    def _parse_json(self, s: Sample) -> Any:
+        try:
+            value = json.loads(s.text)
+        except ValueError as e:
+            cut = " (the output was cut at max_tokens)" if s.finish_reason == "length" else ""
+            raise RowError("invalid_json", f"the output is not valid JSON{cut}: {e}") from None
+        assert self._validator is not None
+        error = next(iter(self._validator.iter_errors(value)), None)
+        if error is not None:
+            path = ".".join(map(str, error.absolute_path)) or "(top level)"
+            raise RowError("invalid_json", f"the output does not match the schema at {path}: {error.message}")
+        typed = _to_typed(value, self.json_schema)
+        try:
+            pa.array([typed], self.json_type or pa.string())
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:
+            raise RowError("invalid_json", f"the output does not fit the schema's column type: {e}") from None
+        return typed
+
+    def _label(self, s: Sample) -> str:
+        text = s.text.strip()
+        if text not in (self.choices or []):
+            cut = " (cut at max_tokens)" if s.finish_reason == "length" else ""
+            raise RowError("invalid_choice", f"the output {text[:80]!r} is not one of the labels{cut}")
+        return text
+
+    def _choice_probs(self, s: Sample) -> dict[str, float] | None:
+        """Each label's probability: the softmax of its first token's log-probability over the labels."""
+        if not s.first_logprobs:
+            return None
+        lps = [s.first_logprobs.get(t, -math.inf) for t in self.choice_token_ids]
+        top = max(lps)
+        if top == -math.inf:
+            return None
+        weights = [math.exp(lp - top) for lp in lps]
+        total = sum(weights)
+        return {c: w / total for c, w in zip(self.choices or [], weights, strict=True)}
+
+
+def choice_first_tokens(tokenizer: Any, choices: list[str]) -> list[int]:
+    """The first token of each label as the model would start its answer with it.
+
+    Raises:
+        ConfigError: two labels start with the same token, so their
+            first-token probabilities cannot tell them apart.
+    """
+    firsts = []
+    for c in choices:
+        ids = tokenizer.encode(c, add_special_tokens=False)
+        firsts.append(ids[0])
+    seen: dict[int, str] = {}
+    for c, t in zip(choices, firsts, strict=True):
+        if t in seen:
+            raise ConfigError(
+                f"output.choice_probs: the labels {seen[t]!r} and {c!r} start with the same token, so their "
+                "probabilities cannot be told apart; reword one (e.g. 'A: ...', 'B: ...')"
+            )
+        seen[t] = c
+    return firsts
