@@ -29,12 +29,14 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--report", required=True, help="where to write the preflight report (JSON)")
     pre.add_argument("--model-record", help="where the fetch step found the model (its JSON record)")
 
-    gen = sub.add_parser("generate", help="run vLLM over one shard")
+    gen = sub.add_parser("generate", help="run vLLM over one shard, or several with one engine start")
     gen.add_argument("--config", required=True)
     gen.add_argument("--manifest", required=True)
-    gen.add_argument("--shard", required=True, help="shard id, as in the manifest")
-    gen.add_argument("--output", required=True, help="the shard's Parquet output")
-    gen.add_argument("--stats", required=True, help="the shard's stats JSON")
+    gen.add_argument("--shard", required=True, nargs="+", help="shard id(s), as in the manifest")
+    gen.add_argument("--output", help="the shard's Parquet output (one shard)")
+    gen.add_argument("--stats", help="the shard's stats JSON (one shard)")
+    gen.add_argument("--shard-dir", help="where several shards' outputs and stats go")
+    gen.add_argument("--record", help="with --shard-dir: the job's record of its shards (JSON)")
     gen.add_argument("--model-record", help="where the fetch step found the model (its JSON record)")
 
     push = sub.add_parser("push", help="push the merged output to output.push_to_hub (token from HF_TOKEN)")
@@ -79,8 +81,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             from shardgen.generate import main_generate
 
+            one = args.shard_dir is None
+            if one == (args.output is None or args.stats is None) or (one and len(args.shard) != 1):
+                raise ShardgenError("generate: give --output and --stats for one shard, or --shard-dir for several")
             return main_generate(
-                cfg.load(args.config), args.manifest, args.shard, args.output, args.stats, args.model_record
+                cfg.load(args.config),
+                args.manifest,
+                args.shard,
+                args.output,
+                args.stats,
+                args.model_record,
+                args.shard_dir,
+                args.record,
             )
         if args.command == "push":
             from shardgen.merge import push

@@ -245,6 +245,9 @@ def engine_settings(config: dict[str, Any], model_record: dict[str, Any], failur
         and settings.get("enable_chunked_prefill") is not False
     ):
         settings["enable_chunked_prefill"] = False
+        # without chunking, a step must hold a whole prompt
+        if settings.get("max_num_batched_tokens") and settings.get("max_model_len"):
+            settings["max_num_batched_tokens"] = max(settings["max_num_batched_tokens"], settings["max_model_len"])
         notes.append(
             "sampling.seed on vLLM's CPU build: chunked prefill is off (PyTorch's CPU generator cannot rewind "
             "the sample of a partly prefilled prompt, and the engine would fail)"
@@ -258,6 +261,72 @@ def engine_settings(config: dict[str, Any], model_record: dict[str, Any], failur
         "notes": notes,
     }
     return settings, info
+
+
+class SharedEngine:
+    """One engine for several shards of a job (``shards.per_job``): the first shard that needs it
+    starts it (and counts its start time), the others reuse it; ``close`` stops it.
+
+    Args:
+        llm: an engine already running, which ``close`` leaves running (tests).
+    """
+
+    def __init__(self, llm: Any = None) -> None:
+        self.llm = llm
+        self._owned = llm is None
+
+    def get(self, model_cfg: dict[str, Any]) -> Any:
+        if self.llm is None:
+            self.llm = eng.make_llm(model_cfg)
+        return self.llm
+
+    def close(self) -> None:
+        if self.llm is not None and self._owned:
+            eng.shutdown(self.llm)
+        self.llm = None
+
+
+def committed(config: dict[str, Any], manifest: Manifest, shard: Shard, shard_dir: Path) -> bool:
+    """Whether the shard's file and stats are already there, made with this config and input."""
+    import pyarrow.parquet as pq
+
+    from shardgen.outputs import FINGERPRINT_KEY
+
+    path = shard_dir / f"{shard.id}.parquet"
+    if not path.exists() or not (shard_dir / f"{shard.id}.stats.json").exists():
+        return False
+    meta = pq.read_schema(path).metadata or {}
+    return meta.get(FINGERPRINT_KEY, b"").decode() == shard_fingerprint(config, manifest, shard)
+
+
+def run_shards(
+    config: dict[str, Any],
+    manifest_path: str | Path,
+    shard_ids: list[str],
+    shard_dir: str | Path,
+    model_record: dict[str, Any] | None = None,
+    engine: SharedEngine | None = None,
+) -> list[dict[str, Any]]:
+    """Several shards in one job with one engine start, each as ``run_shard`` does it.
+
+    A shard already committed with this config and input is kept: a retry of
+    a job that died after some of its shards goes on with the rest.
+    Returns the stats of the shards generated now.
+    """
+    manifest = Manifest.load(manifest_path)
+    shard_dir = Path(shard_dir)
+    engine = engine or SharedEngine()
+    done = []
+    try:
+        for shard_id in shard_ids:
+            if committed(config, manifest, manifest.shard(shard_id), shard_dir):
+                log.info("shard %s: already committed with this configuration; kept", shard_id)
+                continue
+            out, stats = shard_dir / f"{shard_id}.parquet", shard_dir / f"{shard_id}.stats.json"
+            done.append(run_shard(config, manifest_path, shard_id, out, stats, engine, model_record))
+    finally:
+        engine.close()
+    return done
 
 
 def run_shard(
@@ -336,6 +405,8 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, model_r
         try:
             if own_engine:
                 llm = eng.make_llm(model_cfg)
+            elif isinstance(llm, SharedEngine):
+                llm = llm.get(model_cfg)  # started by the job's first shard that needs it
         except Exception as e:
             _record_if_memory(e, "engine start", failures, failures_file, model_cfg, setup["next_memory_overrides"])
             raise
@@ -598,18 +669,26 @@ def _shard_stats(config, shard, table: pa.Table, resumed: int, c: _Counters, eng
     }
 
 
-def main_generate(config, manifest, shard, output, stats, model_record=None) -> int:
+def main_generate(config, manifest, shards, output, stats, model_record=None, shard_dir=None, record=None) -> int:
+    """One shard (``output``, ``stats``) or several in one job (``shard_dir``, and a job ``record``)."""
     from shardgen.fetch import load_record
 
-    record = load_record(model_record) if model_record else None
+    model = load_record(model_record) if model_record else None
     try:
-        s = run_shard(config, manifest, shard, output, stats, model_record=record)
+        if shard_dir is None:
+            (shard,) = shards
+            done = [run_shard(config, manifest, shard, output, stats, model_record=model)]
+        else:
+            done = run_shards(config, manifest, shards, shard_dir, model)
     except Interrupted as e:
         print(f"shardgen: {e}", file=sys.stderr)
         return 3
-    print(
-        f"shard {s['shard']}: {s['rows']} rows ({s['errors']} errors, {s['rows_resumed']} resumed), "
-        f"{s['output_tokens_per_s'] or 0:.1f} output tok/s",
-        file=sys.stderr,
-    )
+    for s in done:
+        print(
+            f"shard {s['shard']}: {s['rows']} rows ({s['errors']} errors, {s['rows_resumed']} resumed), "
+            f"{s['output_tokens_per_s'] or 0:.1f} output tok/s",
+            file=sys.stderr,
+        )
+    if record is not None:
+        atomic_write_text(record, json.dumps({"shards": shards, "generated_now": [s["shard"] for s in done]}) + "\n")
     return 0

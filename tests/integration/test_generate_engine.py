@@ -175,3 +175,23 @@ def test_the_engine_listens_on_no_port_other_machines_can_reach(llm):
         if c.status == psutil.CONN_LISTEN and not ipaddress.ip_address(c.laddr.ip).is_loopback
     ]
     assert listening == [], "the engine's own sockets must stay on the loopback interface"
+
+
+def test_several_shards_in_one_job_share_the_engine_and_a_retry_keeps_the_committed_ones(tmp_path, llm):
+    from shardgen.generate import SharedEngine, run_shards
+
+    config, manifest = plan(tmp_path, make_rows(20))  # shards of 8: 00000, 00001, 00002
+    shard_dir = tmp_path / "shards"
+    shard_dir.mkdir()
+    run_shard(config, manifest, "00000", shard_dir / "00000.parquet", shard_dir / "00000.stats.json", llm=llm)
+    before = (shard_dir / "00000.parquet").stat().st_mtime_ns
+    # the retry of a job that died after its first shard
+    done = run_shards(config, manifest, ["00000", "00001", "00002"], shard_dir, engine=SharedEngine(llm))
+    assert [s["shard"] for s in done] == ["00001", "00002"], "the committed shard is kept, the others run"
+    assert (shard_dir / "00000.parquet").stat().st_mtime_ns == before
+    assert pq.read_table(shard_dir / "00002.parquet").column("row_index").to_pylist() == list(range(16, 20))
+    # a shard made with another config is not kept
+    config["sampling"]["max_tokens"] = 6
+    done = run_shards(config, manifest, ["00000"], shard_dir, engine=SharedEngine(llm))
+    assert [s["shard"] for s in done] == ["00000"]
+    assert llm.llm_engine.get_num_unfinished_requests() == 0, "the shared engine is still there, idle"

@@ -1,5 +1,6 @@
 # Glue: paths, config lookups and input functions. Logic lives in the package.
 import json
+import shlex
 from pathlib import Path
 
 from shardgen import config as shardgen_config
@@ -19,10 +20,12 @@ MODEL_RECORD = f"{PLAN_DIR}/model.json"
 # downstream jobs, hide which shards a change of sampling must rerun.)
 CONFIG_JSON = shardgen_config.write_resolved(config, f"{PLAN_DIR}/config.json")
 GPUS = shardgen_config.gpus_per_job(config)
+PER_JOB = config["shards"]["per_job"]
 
 
 wildcard_constraints:
     shard=r"\d+",
+    job=r"\d+",
 
 
 def shard_ids():
@@ -31,7 +34,15 @@ def shard_ids():
     return [s["id"] for s in json.loads(Path(manifest).read_text())["shards"]]
 
 
+def job_shards():
+    """shards.per_job > 1: the shards of each job, by the id of its first shard."""
+    ids = shard_ids()
+    return {ids[i]: ids[i : i + PER_JOB] for i in range(0, len(ids), PER_JOB)}
+
+
 def all_shard_outputs(wildcards):
+    if PER_JOB > 1:
+        return {"jobs": expand(f"{SHARD_DIR}/job-{{job}}.json", job=list(job_shards()))}
     ids = shard_ids()
     return {
         "parquet": expand(f"{SHARD_DIR}/{{shard}}.parquet", shard=ids),
@@ -39,9 +50,26 @@ def all_shard_outputs(wildcards):
     }
 
 
+def shards_of(wildcards):
+    """The shard ids a generate job runs (digits only: safe on a command line)."""
+    return (
+        " ".join(job_shards()[wildcards.job])
+        if "job" in wildcards.keys()
+        else wildcards.shard
+    )
+
+
+def generate_outputs(wildcards, output):
+    """Where a generate job writes: one shard's files, or a directory of several and the job's record."""
+    if "record" in output.keys():
+        return f"--shard-dir {shlex.quote(SHARD_DIR)} --record {shlex.quote(output.record)}"
+    return f"--output {shlex.quote(output.parquet)} --stats {shlex.quote(output.stats)}"
+
+
 def generate_runtime(wildcards, attempt):
-    """Minutes: the configured limit, growing with each retry."""
-    return config["resources"]["runtime"] * attempt
+    """Minutes: the configured limit per shard of the job, growing with each retry."""
+    shards = len(job_shards()[wildcards.job]) if "job" in wildcards.keys() else 1
+    return config["resources"]["runtime"] * shards * attempt
 
 
 def slurm_signal(wildcards, attempt):

@@ -1,4 +1,5 @@
-# Generation: one job per shard, one vLLM engine per job.
+# Generation: one job per shard (or per shards.per_job shards), one vLLM
+# engine per job.
 
 
 rule generate_shard:
@@ -31,8 +32,19 @@ rule generate_shard:
         model_record=MODEL_RECORD,
         # rerun when anything that decides the generated text changes
         fingerprint=shardgen_config.content_fingerprint(config),
+        shards=shards_of,
+        # quoted paths only
+        outputs=generate_outputs,
     shell:
         "shardgen generate --config {params.config:q} --manifest {input.manifest:q}"
-        " --shard {wildcards.shard} --model-record {params.model_record:q}"
-        " --output {output.parquet:q} --stats {output.stats:q}"
+        " --model-record {params.model_record:q} --shard {params.shards} {params.outputs}"
         " > {log:q} 2>&1"
+
+
+# shards.per_job > 1: several shards one after the other on one engine, which
+# starts once per job. Each shard still gets its own file, stats and checkpoints.
+use rule generate_shard as generate_shards with:
+    output:
+        record=f"{SHARD_DIR}/job-{{job}}.json",
+    log:
+        f"{LOG_DIR}/generate_shards/{{job}}.log",
