@@ -117,7 +117,8 @@ def test_local_profile_runs_a_dataset_saved_with_save_to_disk_into_a_datasets_di
 def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_token(tmp_path, monkeypatch):
     """Shell metacharacters in values, a column named like a path, an output
     directory with a space, and a token in the environment: the run labels
-    every row, runs nothing it was not asked to, and the token appears nowhere."""
+    every row (two shards in one job), runs nothing it was not asked to, and
+    the token appears nowhere."""
     marker = tmp_path.parent / f"{tmp_path.name}-pwned"
     token = "hf_ShardgenTestSecret0123456789abcdef"
     monkeypatch.setenv("HF_TOKEN", token)
@@ -130,7 +131,8 @@ def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_tok
     write_parquet(tmp_path / "data" / "in.parquet", rows)
     config = workflow_config(
         {"parquet": ["data/in.parquet"], "id_column": "id"},
-        shards={"rows_per_shard": 4},
+        # two shards in one job, on one engine
+        shards={"rows_per_shard": 2, "per_job": 2},
         prompt={
             "system": f"Label reviews. $(touch {marker}) `touch {marker}` ; rm -rf ~",
             "template": "Review: {{ text }}\nLabel:",
@@ -150,5 +152,8 @@ def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_tok
     assert not list(tmp_path.parent.glob("evil*")) and not (tmp_path / "evil").exists()
     stats = json.loads((out / "stats.json").read_text())
     assert stats["rows"] == 4 and stats["provenance"]["model"] == config["model"]["model"]
+    first, second = (json.loads((out / "shards" / f"0000{i}.stats.json").read_text()) for i in (0, 1))
+    assert first["engine_start_seconds"] > 5 and second["engine_start_seconds"] < 1, "one engine start per job"
+    assert (out / "logs" / "generate_shards" / "00000.log").exists()
     leaked = [str(p) for p in tmp_path.rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
     assert leaked == [], f"the HF token was written to {leaked}"

@@ -154,3 +154,26 @@ def test_each_output_format_loads_back_with_its_provenance(tmp_path):
     ds = datasets.load_from_disk(str(tmp_path / "out_hf"))
     assert ds["row_index"] == list(range(10)) and ds[3]["text"] == "t3"
     assert json.loads(ds.info.description)["shardgen_provenance"]["config_fingerprint"] == "cfg"
+
+
+def test_push_to_hub_sends_the_merged_rows_with_the_token_from_the_environment_only(tmp_path, monkeypatch):
+    import datasets
+
+    from shardgen.merge import push
+
+    complete(tmp_path)
+    merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "out.jsonl", tmp_path / "s.json", format="jsonl")
+    monkeypatch.setenv("HF_TOKEN", "hf_SecretThatMustNotBeWritten")
+    calls = []
+
+    def fake_push(self, repo_id, **kwargs):  # nothing can reach the hub here
+        calls.append((repo_id, self.num_rows, kwargs))
+        return type("CommitInfo", (), {"oid": "abc123"})()
+
+    monkeypatch.setattr(datasets.Dataset, "push_to_hub", fake_push)
+    c = config(format="jsonl", push_to_hub="org/reviews-labelled")
+    record = push(c, tmp_path / "out.jsonl", tmp_path / "pushed.json")
+    ((repo, rows, kwargs),) = calls
+    assert repo == "org/reviews-labelled" and rows == 10 and "token" not in kwargs and kwargs["private"] is True
+    assert record == {"repo_id": "org/reviews-labelled", "rows": 10, "commit": "abc123"}
+    assert "hf_Secret" not in (tmp_path / "pushed.json").read_text()
