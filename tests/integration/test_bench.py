@@ -13,22 +13,17 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.engine
 
 
-def test_the_benchmark_compares_raw_vllm_and_shardgen_and_writes_results(tmp_path, model_dir):
-    cmd = [
-        sys.executable,
-        str(ROOT / "bench" / "throughput.py"),
-        "--rows",
-        "16",
-        "--max-tokens",
-        "4",
-        "--repeats",
-        "1",
-        "--out",
-        str(tmp_path),
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+def test_the_benchmark_compares_raw_vllm_caching_and_order_and_writes_results(tmp_path, model_dir):
+    cmd = [sys.executable, str(ROOT / "bench" / "throughput.py"), "--rows", "12", "--max-tokens", "4",
+           "--repeats", "1", "--docs", "4", "--questions", "2", "--out", str(tmp_path)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "throughput.json").read_text())
-    assert result["raw_vllm_tokens_per_s"] > 0 and result["shardgen_tokens_per_s"] > 0
-    assert result["ratio"] == pytest.approx(result["shardgen_tokens_per_s"] / result["raw_vllm_tokens_per_s"], rel=0.01)
-    assert "| **ratio** |" in (tmp_path / "throughput.md").read_text()
+    s, o = result["overhead"], result["order"]
+    assert s["raw_vllm_tokens_per_s"] > 0 and s["shardgen_tokens_per_s"] > 0
+    assert s["ratio"] == pytest.approx(s["shardgen_tokens_per_s"] / s["raw_vllm_tokens_per_s"], rel=0.01)
+    assert s["cache_on_tokens_per_s"] > 0 and s["cache_off_tokens_per_s"] > 0
+    assert 0 < s["hit_rate"] <= s["hit_rate_max"] < 1, "a long shared system prompt is cached, within the maximum"
+    assert o["rows"] == 8 and o["same_text"] and o["prefix"]["hit_rate"] > 0
+    md = (tmp_path / "throughput.md").read_text()
+    assert "| **ratio** |" in md and "of the maximum" in md and "`prompt.order`" in md
