@@ -159,6 +159,15 @@ def check_consistency(config: dict[str, Any]) -> None:
         structured["json"] = _read_json_schema(structured["json"])
     if "json" in structured:
         _check_json_schema(structured["json"])
+    if "choice" in structured and max_tokens is not None:
+        # under a grammar a label may be spelt one byte per token: only this bound never cuts one
+        longest = max(structured["choice"], key=lambda label: len(label.encode()))
+        if max_tokens < len(longest.encode()):
+            raise ConfigError(
+                f"sampling.max_tokens ({max_tokens}) can cut the label {longest!r} short: structured outputs may "
+                f"spell a label one byte per token; set sampling.max_tokens to at least {len(longest.encode())} "
+                "(it costs nothing, generation stops when the label is complete)"
+            )
     if output.get("choice_probs") and "choice" not in structured:
         raise ConfigError("output.choice_probs needs sampling.structured_outputs.choice (the labels to score)")
     if output.get("choice_probs") and sampling.get("logprobs") is not None:

@@ -178,7 +178,6 @@ class RunTotals:
 
     def result(self) -> dict[str, Any]:
         totals = dict(self.totals)
-        totals["gpu_hours"] = round(totals["gpu_hours"], 6)
         totals["error_reasons"] = self.error_reasons
         totals.update(summarize(totals, self.hists))
         totals["output_tokens_per_gpu_hour"] = _rate(totals["attempt_generated_tokens"], totals["gpu_hours"])

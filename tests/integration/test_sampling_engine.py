@@ -94,7 +94,7 @@ def test_choice_labels_are_always_a_choice_with_probabilities_summing_to_one(tmp
             "system": "You label product reviews as positive, negative or neutral.",
             "template": "Review: {{ text }}\nLabel:",
         },
-        sampling={"temperature": 0.0, "max_tokens": 4, "structured_outputs": {"choice": labels}},
+        sampling={"temperature": 0.0, "max_tokens": 8, "structured_outputs": {"choice": labels}},
         output={"choice_probs": True},
         shards={"rows_per_shard": 12},
     )

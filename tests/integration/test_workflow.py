@@ -8,7 +8,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import make_rows, write_parquet
+from tests.conftest import TEST_MODEL_CFG, make_rows, write_parquet
 from tests.integration.workflow import run_workflow, slurm_available, workflow_config
 
 pytestmark = pytest.mark.engine
@@ -55,15 +55,19 @@ def test_slurm_profile_runs_one_gpu_job_per_shard_and_merges_every_parsed_row_on
     for i, n in enumerate(sizes):
         files.append(str(write_parquet(tmp_path / "data" / f"part-{i}.parquet", make_rows(n, start))))
         start += n
-    # a JSON extraction: every row's answer parses into the typed `parsed` column
+    # a JSON extraction: every row's answer parses into the typed `parsed` column;
+    # compact JSON through an engine setting passed as model.extra
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 24}}, "required": ["answer"]}
+    compact = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
     config = workflow_config(
         {"parquet": [str(tmp_path / "data" / "*.parquet")], "id_column": "id"},
-        sampling={"temperature": 0.0, "max_tokens": 24, "structured_outputs": {"json": schema}},
+        model={**TEST_MODEL_CFG, "extra": compact},
+        sampling={"temperature": 0.0, "max_tokens": 48, "structured_outputs": {"json": schema}},
     )
     r = run_workflow(tmp_path, config, "slurm")
     table, stats = check_output(tmp_path, [f"r{i:05d}" for i in range(20)])
     assert all(isinstance(p["answer"], str) for p in table.column("parsed").to_pylist())
+    assert all(g.startswith('{"answer":') for g in table.column("generation").to_pylist()), "compact JSON"
     assert len(stats["shards"]) == 2  # 20 rows in shards of 10, over two files
     for s in stats["shards"]:
         assert s["slurm"].get("job_id"), "each shard ran as a Slurm job"
@@ -137,7 +141,7 @@ def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_tok
             "system": f"Label reviews. $(touch {marker}) `touch {marker}` ; rm -rf ~",
             "template": "Review: {{ text }}\nLabel:",
         },
-        sampling={"temperature": 0.0, "max_tokens": 4, "structured_outputs": {"choice": ["positive", "negative"]}},
+        sampling={"temperature": 0.0, "max_tokens": 8, "structured_outputs": {"choice": ["positive", "negative"]}},
         output={"dir": "out dir; echo pwned", "format": "jsonl", "choice_probs": True},
     )
     run_workflow(tmp_path, config, "local")

@@ -239,6 +239,14 @@ def test_choice_probs_need_choices_and_exclude_top_logprobs():
         cfg.validate(c)
 
 
+def test_a_max_tokens_that_could_cut_a_choice_label_is_refused_naming_the_label():
+    c = minimal() | {"sampling": {"max_tokens": 7, "structured_outputs": {"choice": ["positive", "négatif"]}}}
+    with pytest.raises(ConfigError, match=r"sampling.max_tokens \(7\) can cut the label 'positive'.* at least 8"):
+        cfg.validate(copy.deepcopy(c))
+    c["sampling"]["max_tokens"] = 8  # 'négatif' is 8 bytes too
+    cfg.validate(c)
+
+
 def test_structured_outputs_take_exactly_one_kind():
     c = minimal() | {"sampling": {"structured_outputs": {"choice": ["a", "b"], "regex": "a|b"}}}
     with pytest.raises(ConfigError, match="sampling.structured_outputs"):
