@@ -728,7 +728,9 @@ def markdown(result: dict[str, Any]) -> str:
     for r in result.get("slurm", {}).get("runs", []):
         rows.append(
             f"| Slurm submission | {r['jobs']} jobs, plugin {r['versions']['snakemake-executor-plugin-slurm']} "
-            f"| {r['total_s']:.0f} | | | {r['jobs_per_minute']} jobs/min; 10,000 jobs: {r['hours_for_10000_jobs']} h |"
+            f"| {r['total_s']:.0f} | | | {r['submitted']} submitted in "
+            f"{r['last_submission_s'] - r['first_submission_s']:.2f} s (first to last; seconds: the whole run): "
+            f"{r['jobs_per_minute']:,} jobs/min; 10,000 jobs at that rate: {r['hours_for_10000_jobs']} h |"
         )
     if skipped := result.get("slurm", {}).get("skipped"):
         rows.append(f"| Slurm submission | | | | | skipped: {skipped} |")
