@@ -674,6 +674,8 @@ def main_generate(config, manifest, shards, output, stats, model_record=None, sh
     from shardgen.fetch import load_record
 
     model = load_record(model_record) if model_record else None
+    job = os.environ.get("SLURM_JOB_ID")
+    log.info("start on %s%s (pid %d)", socket.gethostname(), f", Slurm job {job}" if job else "", os.getpid())
     try:
         if shard_dir is None:
             (shard,) = shards

@@ -7,6 +7,7 @@ small), so that it can be broken after some rows are saved and before all are.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import psutil
@@ -99,9 +100,9 @@ def test_a_time_limit_too_short_for_the_first_attempt_is_retried_with_more_time(
     if not slurm_available():
         pytest.fail("no Slurm cluster: run `make slurm` first")
     rows = 240
-    # About 45 s of engine start and 70 s of generation here (3.5 rows/s): past
-    # the first attempt's limit (Slurm enforces it within about 30 s), and the
-    # rest fits the second's; a third attempt would have 3 minutes.
+    # About 55 s from job start to the first row and 2-3.5 rows/s here: far
+    # past the first attempt's limit (Slurm enforces it within about 30 s);
+    # the second (2 minutes) or the third (3) finishes the shard.
     config = one_shard_run(tmp_path, rows)
     config["resources"]["runtime"] = 1  # minutes; the retry gets 2, then 3
     run_workflow(tmp_path, config, "slurm")
@@ -110,6 +111,9 @@ def test_a_time_limit_too_short_for_the_first_attempt_is_retried_with_more_time(
     assert "TIMEOUT" in states.values(), f"the first attempt hit its time limit: {states}"
     assert shard["rows_resumed"] > 0, "the timed-out attempt saved its finished rows"
     assert shard["rows_generated"] == rows - shard["rows_resumed"]
+    # the log names the Slurm job of the attempt that finished
+    log = (tmp_path / "results" / "logs" / "generate_shard" / "00000.log").read_text()
+    assert re.search(rf"start on \S+, Slurm job {shard['slurm']['job_id']} ", log), log[:2000]
 
 
 def test_an_out_of_memory_at_engine_start_is_retried_with_lower_settings(tmp_path):
