@@ -179,7 +179,7 @@ SLURM_CASES = {
 
 
 def _slurm_jobs() -> set[str]:
-    """The jobs Slurm knows, finished ones included (for MinJobAge, 300 s by default)."""
+    """The jobs Slurm knows, finished ones included until MinJobAge after they end."""
     r = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True, check=True)
     return set(r.stdout.split())
 
