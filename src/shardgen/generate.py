@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -624,15 +625,12 @@ def _column_sum(table: pa.Table, name: str) -> int:
 
 
 def error_reasons(table: pa.Table) -> dict[str, int]:
-    """Input rows with an error, by reason (a row whose samples all failed counts once)."""
+    """Input rows with an error, by reason: a row counts once, by its first failed sample's error."""
     bad = table.filter(table.column("error").is_valid()).select(["row_index", "error"])
     first: dict[int, str] = {}
     for i, e in zip(bad.column("row_index").to_pylist(), bad.column("error").to_pylist(), strict=True):
         first.setdefault(i, e)
-    reasons: dict[str, int] = {}
-    for e in first.values():
-        reasons[error_reason(e)] = reasons.get(error_reason(e), 0) + 1
-    return reasons
+    return dict(Counter(map(error_reason, first.values())))
 
 
 def _shard_stats(config, shard, table: pa.Table, resumed: int, c: _Counters, engine_s, gen_s, wall_s) -> dict:

@@ -38,25 +38,33 @@ def workflow_config(inputs: dict[str, Any], **sections: Any) -> dict[str, Any]:
     return config
 
 
-def _command(workdir: Path, config: dict[str, Any], profile: str, args: tuple[str, ...]) -> tuple[list[str], dict]:
-    configfile = workdir / "config.yaml"
-    configfile.write_text(yaml.safe_dump(config))
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
+def snakemake_command(workdir: Path, configfile: Path, *options: str) -> tuple[list[str], dict[str, str]]:
+    """``snakemake`` on the project's Snakefile in ``workdir``, and an environment with the venv's tools on PATH."""
     cmd = [
         str(BIN / "snakemake"),
         "--snakefile",
         str(ROOT / "Snakefile"),
         "--directory",
         str(workdir),
+        *options,
+        "--configfile",
+        str(configfile),
+    ]
+    return cmd, dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
+
+
+def _command(workdir: Path, config: dict[str, Any], profile: str, args: tuple[str, ...]) -> tuple[list[str], dict]:
+    configfile = workdir / "config.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    cmd, env = snakemake_command(
+        workdir,
+        configfile,
         "--profile",
         str(ROOT / "profiles" / profile),
         # the test cluster's partition, for the profile's SET_ME placeholder
         *(["--default-resources", "slurm_partition=debug"] if profile == "slurm" else []),
-        "--configfile",
-        str(configfile),
-        *args,
-    ]
-    return cmd, env
+    )
+    return cmd + list(args), env
 
 
 def _failure(workdir: Path, rc: int, stdout: str, stderr: str) -> AssertionError:

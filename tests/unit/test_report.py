@@ -10,7 +10,6 @@ import os
 import random
 import re
 import subprocess
-import sys
 import time
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
@@ -31,10 +30,10 @@ from shardgen.plan import Manifest, write_manifest
 from shardgen.report import FILES, length_counts, make_plots, plot_token_lengths, totals
 from shardgen.results import ResultSpec
 from shardgen.stats import LogHistogram, merge_shard_stats
-from tests.conftest import ROOT, make_rows, write_parquet
+from tests.conftest import make_rows, write_parquet
+from tests.integration.workflow import snakemake_command
 
 SVG = "{http://www.w3.org/2000/svg}"
-BIN = Path(sys.executable).parent
 
 
 def shard_stats(i: int, rows: int, rng: random.Random, queue: bool = True, slow: bool = False) -> dict[str, Any]:
@@ -459,19 +458,7 @@ def finished_run(workdir: Path) -> Path:
 
 
 def snakemake(workdir: Path, configfile: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [
-        str(BIN / "snakemake"),
-        "--snakefile",
-        str(ROOT / "Snakefile"),
-        "--directory",
-        str(workdir),
-        "--configfile",
-        str(configfile),
-        "--cores",
-        "1",
-        *args,
-    ]
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
+    cmd, env = snakemake_command(workdir, configfile, "--cores", "1", *args)
     r = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (
         f"snakemake {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"

@@ -69,8 +69,6 @@ def test_shard_stats_sum_and_throughput_is_over_generation_time():
 
 
 def test_run_totals_add_up_shard_by_shard_with_stragglers_speculation_and_gpu_hours():
-    from shardgen.stats import merge_shard_stats
-
     shards = [
         {"shard": "00000", "rows": 4, "attempt_generated_tokens": 40, "generation_seconds": 2.0, "wall_seconds": 10,
          "gpu_hours": 0.5, "gpu_model": "NVIDIA H100", "spec_decode": {"draft_tokens": 30, "accepted_tokens": 12}},
