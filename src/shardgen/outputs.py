@@ -10,7 +10,6 @@ only after it is committed.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from collections.abc import Iterable
@@ -84,10 +83,6 @@ def output_schema(
 
 def rows_per_input(schema: pa.Schema) -> int:
     return int((schema.metadata or {}).get(ROWS_PER_INPUT_KEY, b"1"))
-
-
-def with_provenance(schema: pa.Schema, provenance: dict[str, Any]) -> pa.Schema:
-    return schema.with_metadata({**(schema.metadata or {}), PROVENANCE_KEY: json.dumps(provenance).encode()})
 
 
 def count_problems(row_index: np.ndarray, start: int, stop: int, per_row: int) -> tuple[int, int]:
