@@ -23,25 +23,13 @@ import pyarrow.compute as pc
 from shardgen import engine as eng
 from shardgen.config import engine_version, gpus_per_job, warnings
 from shardgen.errors import RowError, ShardgenError
+from shardgen.gpus import FP4_WEIGHT_FORMATS, FP8_WEIGHT_FORMATS, MXFP4_WEIGHT_FORMATS, checkpoint_quant_method
 from shardgen.io import atomic_write_text
 from shardgen.plan import Manifest
 from shardgen.prompts import PromptRenderer
 
 # Weight formats that need a CUDA GPU: vLLM's CPU build has no kernels for them.
-GPU_ONLY_QUANTIZATION = frozenset(
-    {
-        "fp8",
-        "fp8_per_tensor",
-        "fp8_per_block",
-        "fp8_per_channel",
-        "fbgemm_fp8",
-        "ptpc_fp8",
-        "modelopt",
-        "modelopt_fp4",
-        "nvfp4",
-        "mxfp4",
-    }
-)
+GPU_ONLY_QUANTIZATION = FP8_WEIGHT_FORMATS | FP4_WEIGHT_FORMATS | MXFP4_WEIGHT_FORMATS
 # Where Hugging Face configs keep the context length (vLLM takes the smallest present).
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 # Shards the sample is drawn from: a few rows at the start of each of up to this many, spread evenly.
@@ -69,8 +57,6 @@ def model_context_length(hf_config: dict[str, Any]) -> tuple[int, str] | None:
 def check_precision(model_cfg: dict[str, Any], hf_config: dict[str, Any], build: str) -> list[str]:
     """Weight formats the installed vLLM build cannot run."""
     problems = []
-    from shardgen.gpus import checkpoint_quant_method
-
     wanted = model_cfg.get("quantization")
     ckpt = checkpoint_quant_method(hf_config)
     if build == "cpu":

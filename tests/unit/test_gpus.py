@@ -369,3 +369,14 @@ def test_the_choice_is_recordable_as_json_in_the_shard_stats():
         "reason": "NVIDIA H100 80GB HBM3 has compute capability 9.0: native FP8; FP8 weights (fp8_per_tensor); "
         "FP8 KV cache",
     }
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4_per_token", "gpt_oss_mxfp4"])
+def test_the_preflight_refuses_on_the_cpu_build_every_weight_format_the_gpu_checks_know(fmt):
+    from shardgen.preflight import check_precision
+
+    (asked,) = check_precision({"quantization": fmt}, {}, "cpu")
+    assert f"model.quantization: '{fmt}' needs a CUDA GPU" in asked
+    (checkpoint,) = check_precision({}, {"quantization_config": {"quant_method": fmt}}, "cpu")
+    assert f"quantized as '{fmt}'" in checkpoint
+    assert check_precision({"quantization": fmt}, {}, "cuda") == []
