@@ -46,8 +46,9 @@ format: setup
 	$(RUN) ruff check --fix .
 	$(RUN) snakefmt Snakefile workflow/rules
 
+# The whole suite: it fails unless engine and Slurm tests ran and passed.
 test: setup slurm lint
-	$(RUN) pytest $(PYTEST_ARGS)
+	$(RUN) pytest --require-markers=engine,slurm $(PYTEST_ARGS)
 
 # The throughput benchmark: raw vLLM against shardgen's generate path, one
 # engine, alternating runs; writes bench/results/throughput.{json,md}.

@@ -24,6 +24,8 @@ if not workflow.overwrite_configfiles:
     configfile: "config/config.yaml"
 
 
+# A credential anywhere in the config stops the run before any message could quote it.
+shardgen_config.check_credentials(config)
 try:
     validate(config, "workflow/schemas/config.schema.yaml")
 except WorkflowError:
@@ -49,6 +51,12 @@ rule all:
         rules.merge_shards.output,
         rules.plot_stats.output,
         rules.push_to_hub.output if config["output"]["push_to_hub"] else [],
+
+
+# One run per output directory: taken before the first job, never by a dry
+# run; released when this process ends, however it ends.
+onstart:
+    lock_output_dir()
 
 
 onsuccess:

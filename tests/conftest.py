@@ -97,3 +97,39 @@ def in_tmp(tmp_path: Path):
     os.chdir(tmp_path)
     yield tmp_path
     os.chdir(old)
+
+
+# -- A suite that cannot pass with a whole category missing ------------------------------------------
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--require-markers",
+        default="",
+        help="comma-separated markers (engine,slurm) of which at least one test must pass and none be skipped",
+    )
+
+
+_PASSED: dict[str, int] = {}
+_SKIPPED: dict[str, list[str]] = {}
+
+
+def pytest_runtest_logreport(report):
+    for marker in ("engine", "slurm"):
+        if marker not in report.keywords:
+            continue
+        if report.when == "call" and report.passed:
+            _PASSED[marker] = _PASSED.get(marker, 0) + 1
+        elif report.skipped:
+            _SKIPPED.setdefault(marker, []).append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    required = [m for m in session.config.getoption("--require-markers").split(",") if m]
+    problems = [f"no '{m}' test passed" for m in required if not _PASSED.get(m)]
+    problems += [f"'{m}' tests were skipped: {', '.join(_SKIPPED[m][:3])}" for m in required if _SKIPPED.get(m)]
+    if problems:
+        session.config.get_terminal_writer().line(
+            "required test categories did not run: " + "; ".join(problems), red=True
+        )
+        session.exitstatus = 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -64,20 +65,39 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# The Hugging Face token reaches every Slurm job (the executor plugin exports the whole environment),
+# but only fetch-model and push may use it: the commands that run model code drop it first.
+TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+_NO_TOKEN_COMMANDS = ("generate", "preflight")
+
+
+def _load(path: str) -> dict:
+    """The command's config; from here on, files it creates are not readable by other users unless
+    ``output.world_readable`` (``io.restrict_umask``)."""
+    from shardgen.io import restrict_umask
+
+    config = cfg.load(path)
+    restrict_umask(config["output"]["world_readable"])
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command in _NO_TOKEN_COMMANDS:
+        for name in TOKEN_ENV:
+            os.environ.pop(name, None)
     try:
         if args.command == "plan":
             from shardgen.plan import write_manifest
 
-            m = write_manifest(cfg.load(args.config), args.manifest)
+            m = write_manifest(_load(args.config), args.manifest)
             print(f"planned {m['total_rows']} rows in {len(m['shards'])} shards -> {args.manifest}", file=sys.stderr)
             return 0
         if args.command == "preflight":
             from shardgen.preflight import main_preflight
 
-            return main_preflight(cfg.load(args.config), args.manifest, args.report, args.model_record)
+            return main_preflight(_load(args.config), args.manifest, args.report, args.model_record)
         if args.command == "generate":
             from shardgen.generate import main_generate
 
@@ -85,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             if one == (args.output is None or args.stats is None) or (one and len(args.shard) != 1):
                 raise ShardgenError("generate: give --output and --stats for one shard, or --shard-dir for several")
             return main_generate(
-                cfg.load(args.config),
+                _load(args.config),
                 args.manifest,
                 args.shard,
                 args.output,
@@ -97,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "push":
             from shardgen.merge import push
 
-            record = push(cfg.load(args.config), args.dataset, args.record)
+            record = push(_load(args.config), args.dataset, args.record)
             print(f"pushed {record['rows']} rows to {record['repo_id']}", file=sys.stderr)
             return 0
         if args.command == "engine-version":
@@ -106,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "fetch-model":
             from shardgen.fetch import main_fetch
 
-            return main_fetch(cfg.load(args.config), args.output)
+            return main_fetch(_load(args.config), args.output)
         if args.command == "merge":
             from shardgen.merge import main_merge
 
-            return main_merge(cfg.load(args.config), args.manifest, Path(args.shard_dir), args.output, args.stats)
+            return main_merge(_load(args.config), args.manifest, Path(args.shard_dir), args.output, args.stats)
         if args.command == "plots":
             from shardgen.report import main_plots
 

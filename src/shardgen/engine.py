@@ -40,45 +40,7 @@ THREAD_ENV_VARS = (
 )
 
 # Keys of `model` in the config that are ours, not vllm.LLM arguments.
-_NOT_ENGINE_ARGS = {"extra"}
-
-
-# What vLLM and PyTorch say when memory runs out: CUDA out of memory while
-# running, or a KV cache too small for one sequence at engine start.
-MEMORY_ERROR_PATTERNS = (
-    "out of memory",
-    "outofmemoryerror",
-    "kv cache is needed",
-    "larger than the available kv cache memory",
-    "no available memory for the cache blocks",
-    "insufficient memory",
-)
-
-
-def is_memory_error(text: str) -> bool:
-    low = text.lower()
-    return any(p in low for p in MEMORY_ERROR_PATTERNS)
-
-
-def lowered_memory_settings(model_cfg: dict[str, Any], failures: int, fp8_kv: bool = True) -> dict[str, Any]:
-    """Engine settings for an attempt after ``failures`` attempts ran out of memory.
-
-    Each failure halves the batch (``max_num_seqs``) and leaves 5% more of the
-    GPU to what is not KV cache; the first also turns on an FP8 KV cache
-    (half the memory per token) unless the config chose a KV cache dtype or
-    the hardware has none (``fp8_kv``).
-    """
-    if failures <= 0:
-        return {}
-    seqs = model_cfg.get("max_num_seqs") or 256
-    util = model_cfg.get("gpu_memory_utilization") or 0.9
-    out: dict[str, Any] = {
-        "max_num_seqs": max(1, seqs >> failures),
-        "gpu_memory_utilization": round(max(0.5, util - 0.05 * failures), 3),
-    }
-    if fp8_kv and model_cfg.get("kv_cache_dtype") in (None, "auto"):
-        out["kv_cache_dtype"] = "fp8"
-    return out
+_NOT_ENGINE_ARGS = {"extra", "allow_unsafe_engine_args"}
 
 
 def fp8_kv_cache_supported(build: str) -> bool:
@@ -219,6 +181,19 @@ class Tokenizer:
     def __init__(self, tokenizer: Any, max_model_len: int) -> None:
         self.hf = tokenizer
         self.max_model_len = max_model_len
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters beyond which a prompt cannot fit ``max_model_len`` tokens.
+
+        No token spells more characters than the longest entry of the
+        vocabulary (a byte-level BPE entry has one character per byte), so a
+        longer text has at least ``max_model_len`` tokens: such a prompt is a
+        row error without being tokenized (a 1 GB cell would otherwise take
+        many GB as token ids).
+        """
+        longest = max((len(t) for t in self.hf.get_vocab()), default=1)
+        return self.max_model_len * max(longest, 1)
 
     def encode(self, prompt: str | list[dict[str, str]]) -> list[int]:
         """Token ids of a prompt.

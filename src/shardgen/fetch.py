@@ -256,13 +256,15 @@ def model_path(resolved: dict[str, Any]) -> str:
 
 
 def job_environment(resolved: dict[str, Any]) -> dict[str, str]:
-    """The environment a generate job sets before vLLM (or transformers) is imported: offline.
+    """The environment a generate job sets before vLLM (or transformers) is imported: offline, and
+    without vLLM's usage reports (its rank-0 worker otherwise posts usage data to stats.vllm.ai:
+    vllm/usage/usage_lib.py).
 
     The engine is given the local snapshot directory, so no cache path is
     needed; a hub dataset (``input.hf``) was cached when the run was planned.
     """
     del resolved
-    return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
 def load_record(path: str | Path) -> dict[str, Any]:

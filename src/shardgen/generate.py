@@ -13,10 +13,8 @@ import datetime
 import json
 import logging
 import os
-import resource
 import signal
 import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -30,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardgen import engine as eng
+from shardgen import jobinfo, memory
 from shardgen.config import content_config, content_fingerprint, digest, gpus_per_job, warnings
 from shardgen.errors import RowError, ShardgenError, error_reason
 from shardgen.io import atomic_write_text
@@ -44,11 +43,25 @@ log = logging.getLogger(__name__)
 
 
 class Interrupted(ShardgenError):
-    """The job was asked to stop; finished rows are saved."""
+    """The job was asked to stop (SIGTERM, SIGINT); finished rows are saved."""
+
+    def __init__(self, signum: int, shard_id: str) -> None:
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(
+            f"shard {shard_id}: stopped by {self.signal_name}; finished rows are saved and the next attempt "
+            "resumes from them"
+        )
 
 
 class OutOfMemory(ShardgenError):
-    """The engine ran out of memory; the next attempt uses lower settings."""
+    """The engine ran out of memory; the next attempt uses lower settings.
+
+    ``record``: the stage, the error and the settings, kept in the attempt's entry of ``attempts.jsonl``.
+    """
+
+    def __init__(self, message: str, record: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.record = record
 
 
 class TooManyErrors(ShardgenError):
@@ -95,24 +108,6 @@ class ErrorBudget:
             )
 
 
-MEMORY_FAILURES = "memory_failures.json"
-
-
-def _own_log_tail(limit: int = 200_000) -> str:
-    """The end of this process's stderr when it is a file (the job's log).
-
-    vLLM's engine core runs in a child process that writes the real cause of
-    a failed start there; the parent only sees "initialization failed".
-    """
-    try:
-        path = os.readlink("/proc/self/fd/2")
-        with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - limit))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def shard_fingerprint(config: dict[str, Any], manifest: Manifest, shard: Shard) -> str:
     """Everything that decides the shard's content: its input rows and the content config."""
     src = manifest.data["source"]
@@ -127,8 +122,13 @@ def shard_fingerprint(config: dict[str, Any], manifest: Manifest, shard: Shard) 
     return digest({"config": content_config(config), "rows": inputs})
 
 
+# How often a running shard rewrites its progress.json (what `shardgen status` and the tests read).
+PROGRESS_SECONDS = 5.0
+
+
 @dataclass
 class _Counters:
+    rows: int = 0  # input rows this attempt finished (generated or errors)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
@@ -163,52 +163,29 @@ class _StopFlag:
         for s, h in self._previous.items():
             signal.signal(s, h)
 
+    def caused(self, error: Exception, grace_s: float = 2.0) -> bool:
+        """Whether ``error`` is the signal's doing: Slurm signals every process of a job (scancel, the time
+        limit), so vLLM's engine core gets the SIGTERM too and may die before this process's handler
+        has run; the engine's death is then the stop, not a failure (seen on the local Slurm)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
 
-def _slurm_info() -> dict[str, Any]:
-    keys = {
-        "job_id": "SLURM_JOB_ID",
-        "array_task_id": "SLURM_ARRAY_TASK_ID",
-        "restart_count": "SLURM_RESTART_COUNT",
-        "partition": "SLURM_JOB_PARTITION",
-        "nodelist": "SLURM_JOB_NODELIST",
-        "gpus_on_node": "SLURM_GPUS_ON_NODE",
-    }
-    info: dict[str, Any] = {k: os.environ[v] for k, v in keys.items() if v in os.environ}
-    if "job_id" in info:
-        info.update(_slurm_times(info["job_id"]))
-    return info
+        deadline = time.time() + grace_s
+        while self.signal is None and isinstance(error, EngineDeadError) and time.time() < deadline:
+            time.sleep(0.05)  # the handler runs on this thread, between these sleeps
+        return self.signal is not None
 
 
-def _slurm_times(job_id: str) -> dict[str, Any]:
-    """When Slurm queued and started this job, and the wait between (from ``scontrol``; empty if unavailable)."""
-    try:
-        out = subprocess.run(
-            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
-    try:
-        submit = datetime.datetime.fromisoformat(fields["SubmitTime"])
-        start = datetime.datetime.fromisoformat(fields["StartTime"])
-    except (KeyError, ValueError):
-        return {}
-    return {
-        "submit_time": fields["SubmitTime"],
-        "start_time": fields["StartTime"],
-        "queue_wait_seconds": (start - submit).total_seconds(),
-        "time_limit": fields.get("TimeLimit"),
-    }
-
-
-def engine_settings(config: dict[str, Any], model_record: dict[str, Any], failures: int) -> tuple[dict, dict]:
+def engine_settings(
+    config: dict[str, Any], model_record: dict[str, Any], failures: list[dict[str, Any]]
+) -> tuple[dict, dict]:
     """The engine's ``model`` settings for this job, and what decided them.
 
     The model is the local directory the fetch step found (no hub lookup in
     a job); ``auto`` precisions are chosen for the GPUs the job got, which
-    are checked against what the config needs; an attempt after running out
-    of memory lowers the memory settings; seeded sampling on vLLM's CPU
-    build turns chunked prefill off.
+    are checked against what the config needs; an attempt after earlier ones
+    ran out of memory (``failures``) takes one step from the settings they
+    used (``memory.overrides``); seeded sampling on vLLM's CPU build turns
+    chunked prefill off.
 
     Raises:
         WrongGpus: too few GPUs, or a precision the GPUs cannot run.
@@ -236,9 +213,7 @@ def engine_settings(config: dict[str, Any], model_record: dict[str, Any], failur
     if problems:
         raise WrongGpus("this job cannot run on the GPUs it got:\n  - " + "\n  - ".join(problems))
     notes = gpus.gpu_warnings(devices, settings["kv_cache_dtype"], build)
-    fp8_kv = eng.fp8_kv_cache_supported(build)
-    overrides = eng.lowered_memory_settings(settings, failures, fp8_kv)
-    next_overrides = eng.lowered_memory_settings(settings, failures + 1, fp8_kv)
+    overrides = memory.overrides(failures)
     settings.update(overrides)
     if (
         build == "cpu"
@@ -258,7 +233,7 @@ def engine_settings(config: dict[str, Any], model_record: dict[str, Any], failur
         "build": build,
         "precision": precision,
         "memory_overrides": overrides,
-        "next_memory_overrides": next_overrides,
+        "memory_defaults": memory.vllm_defaults(devices, gpus_per_job(config)),
         "notes": notes,
     }
     return settings, info
@@ -371,10 +346,60 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, model_r
     fingerprint = shard_fingerprint(config, manifest, shard)
     config_fp = content_fingerprint(config)
     schema = output_schema(source.schema, fingerprint, config_fp, shard.id, spec.fields(), spec.rows_per_input)
-    ckpt_cfg = config["checkpoint"]
-    ckpt = ShardCheckpoint(Path(config["output"]["dir"]) / "checkpoints" / shard.id, shard.start, shard.stop, schema)
+    out_dir = Path(config["output"]["dir"])
+    ckpt = ShardCheckpoint(out_dir / "checkpoints" / shard.id, shard.start, shard.stop, schema, below=out_dir)
     done = ckpt.resume()
     log.info("shard %s: rows [%d, %d), %d already done in checkpoints", shard.id, shard.start, shard.stop, len(done))
+    attempts = ckpt.attempts()
+    slurm = jobinfo.slurm_info()
+    attempt = {"attempt": len(attempts) + 1, "started": _now(), "host": jobinfo.host(), "pid": os.getpid()}
+    attempt.update(slurm=slurm, rows_done_before=len(done))
+    ckpt.log_attempt({"event": "start", **attempt})
+    counters = _Counters()
+    try:
+        table, engine_s, gen_s, stats = _attempt(
+            config, shard, source, renderer, spec, ckpt, done, attempts, model_record, counters, llm, stop, output
+        )
+    except BaseException as e:
+        end = {"event": "end", **_outcome(e), "ended": _now()}
+        end.update(rows_saved=ckpt.saved_inputs, rows_generated=counters.rows)
+        ckpt.log_attempt(end)
+        ckpt.close()
+        raise
+    wall_s = time.time() - t_start
+    stats = {**_shard_stats(config, shard, table, len(done), counters, engine_s, gen_s, wall_s), **stats}
+    stats.update(
+        fingerprint=fingerprint,
+        config_fingerprint=config_fp,
+        checkpoints_discarded=ckpt.discarded,
+        model_source={k: model_record.get(k) for k in ("source", "path", "repo_id", "revision", "commit")},
+        peak_rss_mib=jobinfo.peak_rss_mib(),
+        host=attempt["host"],
+        slurm=slurm,
+        queue_wait_seconds=slurm.get("queue_wait_seconds"),
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        thread_env_removed=removed_env,
+    )
+    atomic_write_text(stats_path, json.dumps(stats, indent=1, default=str) + "\n", below=out_dir)
+    return stats
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _outcome(error: BaseException) -> dict[str, Any]:
+    """How an attempt ended, for its entry in ``attempts.jsonl``."""
+    if isinstance(error, Interrupted):
+        return {"outcome": "interrupted", "signal": error.signal_name}
+    if isinstance(error, OutOfMemory):
+        return {"outcome": "out_of_memory", **error.record}
+    kind = {TooManyErrors: "too_many_errors", WrongGpus: "wrong_gpus"}.get(type(error), "failed")
+    return {"outcome": kind, "error": f"{type(error).__name__}: {error}"[:1000]}
+
+
+def _attempt(config, shard, source, renderer, spec, ckpt, done, attempts, model_record, counters, llm, stop, output):
+    """The part of an attempt after its start is recorded: checks, the engine, the feed, the commit."""
     # Before any engine starts: the input is as planned, and the rows kept
     # from earlier attempts do not already fail the shard.
     source.check_unchanged({seg.file for seg in shard.segments})
@@ -382,13 +407,15 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, model_r
     for warning in warnings(config):
         log.warning(warning)
 
-    counters = _Counters()
     engine_start_s = generation_s = 0.0
     feed_stats: dict[str, Any] = {}
     engine_delta: dict[str, float] = {}
-    failures_file = ckpt.dir / MEMORY_FAILURES
-    failures = json.loads(failures_file.read_text()) if failures_file.exists() else []
-    model_cfg, setup = engine_settings(config, model_record, len(failures))
+    failures = [
+        {k: a.get(k) for k in ("kind", "stage", "error", "settings")}
+        for a in attempts
+        if a["outcome"] == "out_of_memory"
+    ]
+    model_cfg, setup = engine_settings(config, model_record, failures)
     log.info("shard %s: %d GPU(s) %s; precision: %s", shard.id, len(setup["gpus"]),
              [g.get("name") for g in setup["gpus"]], setup["precision"]["reason"])  # fmt: skip
     for note in setup["notes"]:
@@ -400,6 +427,9 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, model_r
             len(failures),
             setup["memory_overrides"],
         )
+    log_start = jobinfo.own_log_size()  # what this attempt writes to the job's log comes after
+    progress = {"attempt": len(attempts) + 1, "host": jobinfo.host(), "pid": os.getpid()}
+    progress["job_id"] = os.environ.get("SLURM_JOB_ID")
     if len(done) < shard.rows:
         t0 = time.time()
         own_engine = llm is None
@@ -409,11 +439,12 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, model_r
             elif isinstance(llm, SharedEngine):
                 llm = llm.get(model_cfg)  # started by the job's first shard that needs it
         except Exception as e:
-            _record_if_memory(e, "engine start", failures, failures_file, model_cfg, setup["next_memory_overrides"])
+            _raise_if_memory(e, "engine start", memory.used_settings(model_cfg, setup["memory_defaults"]), log_start)
             raise
         engine_start_s = time.time() - t0
         try:
             tokenizer = eng.Tokenizer(llm.get_tokenizer(), llm.llm_engine.model_config.max_model_len)
+            renderer.max_chars = tokenizer.max_prompt_chars
             if spec.choice_probs:
                 spec = ResultSpec(
                     config["sampling"], config["output"], choice_first_tokens(tokenizer.hf, spec.choices or [])
@@ -423,9 +454,13 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, model_r
             before = eng.engine_counters(llm)
             t1 = time.time()
             try:
-                _generate(source, shard, done, requests, spec, feeder, ckpt, ckpt_cfg, counters, budget, stop)
+                _generate(source, shard, done, requests, spec, feeder, ckpt, config["checkpoint"], counters, budget,
+                          stop, progress)  # fmt: skip
             except Exception as e:
-                _record_if_memory(e, "generation", failures, failures_file, model_cfg, setup["next_memory_overrides"])
+                if stop.caused(e):
+                    raise Interrupted(stop.signal, shard.id) from e
+                used = memory.used_settings(model_cfg, setup["memory_defaults"], llm)
+                _raise_if_memory(e, "generation", used, log_start)
                 raise
             finally:
                 generation_s = time.time() - t1
@@ -442,37 +477,23 @@ def _run_shard(config, manifest_path, shard_id, output, stats_path, llm, model_r
             if own_engine:
                 eng.shutdown(llm)
         if stop():
-            raise Interrupted(
-                f"shard {shard.id}: stopped by {signal.Signals(stop.signal).name}; "
-                "finished rows are saved and the next attempt resumes from them"
-            )
+            raise Interrupted(stop.signal, shard.id)
 
+    history = ckpt.attempts()
+    history[-1].update(outcome="committed", ended=_now(), rows_generated=counters.rows)
     table = ckpt.commit(output)
-    wall_s = time.time() - t_start
-    stats = _shard_stats(config, shard, table, len(done), counters, engine_start_s, generation_s, wall_s)
-    stats.update(_engine_stats(engine_delta))
-    slurm = _slurm_info()
+    stats = _engine_stats(engine_delta)
     stats.update(
-        fingerprint=fingerprint,
-        config_fingerprint=config_fp,
         feed=feed_stats,
-        checkpoints_discarded=ckpt.discarded,
         engine={"vllm_version": eng.vllm_version(), "args": eng.engine_kwargs(model_cfg)},
+        attempts=history,
         memory_failures=failures,
         memory_overrides=setup["memory_overrides"],
         gpu_devices=setup["gpus"],
         gpu_model=", ".join(sorted({g.get("name") or "?" for g in setup["gpus"]})) or None,
         precision=setup["precision"],
-        model_source={k: model_record.get(k) for k in ("source", "path", "repo_id", "revision", "commit")},
-        peak_rss_mib=_peak_rss_mib(),
-        host=socket.gethostname(),
-        slurm=slurm,
-        queue_wait_seconds=slurm.get("queue_wait_seconds"),
-        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-        thread_env_removed=removed_env,
     )
-    atomic_write_text(stats_path, json.dumps(stats, indent=1, default=str) + "\n")
-    return stats
+    return table, engine_start_s, generation_s, stats
 
 
 def _engine_stats(delta: dict[str, float]) -> dict[str, Any]:
@@ -490,25 +511,19 @@ def _engine_stats(delta: dict[str, float]) -> dict[str, Any]:
     return out
 
 
-def _peak_rss_mib() -> float:
-    """The largest resident memory of this process and of its finished children (the engine's), in MiB."""
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return round(max(own, children) / 1024, 1)
-
-
-def _record_if_memory(error: Exception, stage: str, failures: list, path: Path, model_cfg: dict, nxt: dict) -> None:
-    """When ``error`` was memory running out, record it for the next attempt and say so."""
-    text = "".join(traceback.format_exception(error)) + _own_log_tail()
-    if not eng.is_memory_error(text):
+def _raise_if_memory(error: Exception, stage: str, used: dict[str, Any], log_start: int) -> None:
+    """When ``error`` was memory running out, raise ``OutOfMemory``: the attempt's record keeps the
+    kind of failure and the settings it used, from which the next attempt takes one step."""
+    # the engine core runs in a child process, which writes the real cause to the job's log
+    text = "".join(traceback.format_exception(error)) + jobinfo.own_log_tail(since=log_start)
+    kind = memory.failure_kind(text)
+    if kind is None:
         return
-    settings = {k: model_cfg.get(k) for k in ("max_num_seqs", "gpu_memory_utilization", "kv_cache_dtype")}
-    failures.append({"stage": stage, "error": f"{type(error).__name__}: {error}"[:500], "settings": settings})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(failures, indent=1) + "\n")
+    record = {"kind": kind, "stage": stage, "error": f"{type(error).__name__}: {error}"[:500], "settings": used}
     raise OutOfMemory(
-        f"out of memory during {stage} with {settings}; the next attempt uses {nxt}. "
-        "If it keeps failing: lower model.max_model_len, then max_num_seqs, or use more GPUs."
+        f"{kind.replace('_', ' ')} during {stage} with {used}; the next attempt uses "
+        f"{memory.next_settings(kind, used)}. If it keeps failing: {memory.advice(kind)}",
+        record,
     ) from error
 
 
@@ -567,16 +582,17 @@ class _Requests:
         return block
 
 
-def _generate(source, shard, done, requests, spec, feeder, ckpt, ckpt_cfg, counters, budget, stop) -> None:
+def _generate(source, shard, done, requests, spec, feeder, ckpt, ckpt_cfg, counters, budget, stop, progress) -> None:
     pending: dict[int, dict[str, Any]] = {}
     finished: list[dict[str, Any]] = []
-    last_flush = time.time()
+    last_flush = last_progress = time.time()
     bar = progress_bar(total=shard.rows, initial=len(done), desc=f"shard {shard.id}")
 
     def feed() -> Iterator[eng.Request]:
         for index, row, item in requests(_rows(source, shard, done)):
             if isinstance(item, RowError):
                 finished.extend(spec.error_rows(row, index, str(item)))
+                counters.rows += 1
                 bar.update(1)
                 budget.add(index, str(item))
                 continue
@@ -589,8 +605,16 @@ def _generate(source, shard, done, requests, spec, feeder, ckpt, ckpt_cfg, count
         finished.clear()
         last_flush = time.time()
 
+    def report_progress(now: float) -> None:
+        nonlocal last_progress
+        last_progress = now
+        done_now = len(done) + counters.rows
+        ckpt.write_progress({**progress, "time": now, "rows": shard.rows, "done": done_now, "saved": ckpt.saved_inputs})
+
+    report_progress(time.time())
     try:
         for c in feeder.run(feed(), should_stop=stop):
+            counters.rows += 1
             row = pending.pop(c.key)
             if c.error is not None:
                 finished.extend(spec.error_rows(row, c.key, str(c.error), c.prompt_tokens))
@@ -610,8 +634,11 @@ def _generate(source, shard, done, requests, spec, feeder, ckpt, ckpt_cfg, count
                 if c.latency_s is not None:
                     counters.latency.add(c.latency_s)
             bar.update(1, tokens=c.generated_tokens)
-            if len(finished) >= ckpt_cfg["rows"] or time.time() - last_flush >= ckpt_cfg["seconds"]:
+            now = time.time()
+            if len(finished) >= ckpt_cfg["rows"] or now - last_flush >= ckpt_cfg["seconds"]:
                 flush()
+            if now - last_progress >= PROGRESS_SECONDS:
+                report_progress(now)
     finally:
         flush()
         bar.close()
@@ -641,7 +668,8 @@ def _shard_stats(config, shard, table: pa.Table, resumed: int, c: _Counters, eng
         "output_rows": table.num_rows,
         "errors": sum(reasons.values()),
         "rows_resumed": resumed,
-        "rows_generated": shard.rows - resumed,
+        # rows this attempt finished, counted as they finished (errors included)
+        "rows_generated": c.rows,
         "prompt_tokens": _column_sum(table, "prompt_tokens"),
         "generated_tokens": _column_sum(table, "generated_tokens"),
         # This attempt's engine work, which throughput is measured over.

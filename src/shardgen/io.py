@@ -1,37 +1,262 @@
-"""Atomic file writes: a reader sees the old file or the whole new one, never a part."""
+"""Files shardgen writes: atomically, with the process's umask, and never through a symlink below the output directory.
+
+Every write goes to a temporary file in the target's directory, is synced,
+and is renamed onto the target, so a reader sees the old file or the whole
+new one, never a part. Files are created with ``os.open`` and mode 0666, so
+the kernel applies the umask (the CLI narrows it once at start, see
+``restrict_umask``); nothing changes the umask or a file's mode afterwards.
+
+``Dir`` holds an open directory descriptor and does everything relative to
+it (create, read, rename, remove), so a symlink swapped in after the
+directory was opened cannot redirect a write or a delete. ``Dir.open(path,
+below=root)`` refuses a symlink at any component of ``path`` below ``root``:
+the checkpoint and shard directories of a run stay inside its output
+directory even when something else was linked there.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
-import tempfile
-from collections.abc import Callable
+import secrets
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
+
+from shardgen.errors import ShardgenError
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_NOFOLLOW = os.O_NOFOLLOW
 
 
-def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
-    """Call ``write(tmp_path)``, fsync the result, and rename it onto ``path``.
+class UnsafePath(ShardgenError):
+    """A directory below the output directory is a symlink (or not a directory)."""
 
-    The temporary file sits in the same directory, so the rename is atomic on
-    POSIX filesystems (including the network filesystems clusters use, within
-    one directory). On failure the temporary file is removed.
+
+def current_umask() -> int:
+    """The process's umask, read without changing it (Linux reports it in /proc/self/status)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # no /proc: the one way left to read it
+    os.umask(mask)
+    return mask
+
+
+def restrict_umask(world_readable: bool) -> int:
+    """Once, at the start of a command: files shardgen (and the libraries it calls) create get no
+    permissions for other users unless ``world_readable``. Returns the umask now in force."""
+    mask = current_umask()
+    if not world_readable:
+        mask |= 0o007
+        os.umask(mask)
+    return mask
+
+
+class Dir:
+    """An open directory; names are resolved relative to its descriptor, never following a symlink."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd = fd
+        self.path = path
+
+    @classmethod
+    def open(cls, path: str | Path, *, below: str | Path | None = None, create: bool = True) -> Dir:
+        """Open ``path`` (creating missing directories when ``create``).
+
+        Components of ``path`` that lie below ``below`` must be real
+        directories, not symlinks; ``below`` itself, and paths outside it, are
+        opened as the system resolves them.
+
+        Raises:
+            UnsafePath: a component below ``below`` is a symlink or a file.
+        """
+        path = Path(path)
+        root = Path(below) if below is not None else None
+        rel: tuple[str, ...] = ()
+        if root is not None:
+            try:
+                rel = Path(os.path.normpath(path.absolute())).relative_to(os.path.normpath(root.absolute())).parts
+            except ValueError:
+                root = None
+        if root is None:
+            if create:
+                path.mkdir(parents=True, exist_ok=True)
+            return cls(os.open(path, _DIR_FLAGS), path)
+        if create:
+            root.mkdir(parents=True, exist_ok=True)
+        d = cls(os.open(root, _DIR_FLAGS), root)
+        for part in rel:
+            try:
+                nxt = d.sub(part, create=create)
+            finally:
+                d.close()
+            d = nxt
+        return d
+
+    def sub(self, name: str, create: bool = True) -> Dir:
+        """The subdirectory ``name``, created if missing; a symlink there is refused."""
+        if create:
+            try:
+                os.mkdir(name, 0o777, dir_fd=self.fd)
+            except FileExistsError:
+                pass
+        try:
+            fd = os.open(name, _DIR_FLAGS | _NOFOLLOW, dir_fd=self.fd)
+        except OSError as e:
+            if os.path.islink(self.path / name) or not os.path.isdir(self.path / name):
+                raise UnsafePath(
+                    f"'{self.path / name}' is a symlink or not a directory; shardgen keeps its files in real "
+                    "directories below output.dir (to put them on another file system, point output.dir itself "
+                    "there)"
+                ) from e
+            raise
+        return Dir(fd, self.path / name)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> Dir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def names(self) -> list[str]:
+        return sorted(os.listdir(self.fd))
+
+    def exists(self, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def is_file(self, name: str) -> bool:
+        import stat
+
+        try:
+            return stat.S_ISREG(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return False
+
+    @contextmanager
+    def open_read(self, name: str) -> Iterator[IO[bytes]]:
+        """A regular file of this directory for reading (a symlink is refused)."""
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW, dir_fd=self.fd)
+        with os.fdopen(fd, "rb") as f:
+            yield f
+
+    def read_text(self, name: str) -> str:
+        with self.open_read(name) as f:
+            return f.read().decode()
+
+    def write_atomic(self, name: str, write: Callable[[IO[bytes]], None]) -> None:
+        """Call ``write(file)`` on a new temporary file here, sync it, and rename it onto ``name``."""
+        tmp = f".{name}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW, 0o666, dir_fd=self.fd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=self.fd)
+            except OSError:
+                pass
+            raise
+        os.fsync(self.fd)  # the rename itself survives a crash
+
+    def append_line(self, name: str, line: str) -> None:
+        """Append one line (a single ``write``: whole lines even if the process dies)."""
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | _NOFOLLOW, 0o666, dir_fd=self.fd)
+        try:
+            os.write(fd, (line.rstrip("\n") + "\n").encode())
+        finally:
+            os.close(fd)
+
+    def move(self, name: str, dest: Dir, new_name: str | None = None) -> None:
+        os.rename(name, new_name or name, src_dir_fd=self.fd, dst_dir_fd=dest.fd)
+
+    def unlink(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+
+    def rmdir(self, name: str) -> bool:
+        """Remove the subdirectory ``name`` if it is empty; False when it is not (or is gone)."""
+        try:
+            os.rmdir(name, dir_fd=self.fd)
+            return True
+        except OSError:
+            return False
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_dir(new: Path, path: Path) -> None:
+    """Put the finished directory ``new`` at ``path``, replacing what is there.
+
+    With a directory already at ``path`` the two are swapped in one step, so
+    a reader sees the old directory or the new one, whole (where the file
+    system cannot swap, the old one is renamed aside first: ``path`` is then
+    missing for a moment, never partly written). The old content ends up at
+    ``new`` and is removed.
+    """
+    import shutil
+
+    if not path.exists():
+        new.rename(path)
+        return
+    if not _exchange(new, path):
+        aside = path.with_name(f".{path.name}.{secrets.token_hex(4)}.old")
+        path.rename(aside)
+        new.rename(path)
+        new = aside
+    shutil.rmtree(new)
+
+
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None], below: str | Path | None = None) -> None:
+    """Write ``path`` atomically: ``write(file)`` fills a temporary file beside it, renamed into place.
+
+    Args:
+        below: the output directory, when ``path`` is inside it: no directory
+            between the two may be a symlink (``Dir.open``).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    # mkstemp makes the file private (0600); give it the usual mode, as open() would
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with Dir.open(path.parent, below=below) as d:
+        d.write_atomic(path.name, write)
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+def atomic_write_text(path: str | Path, text: str, below: str | Path | None = None) -> None:
+    atomic_write(path, lambda f: f.write(text.encode()), below)

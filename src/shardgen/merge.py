@@ -15,18 +15,18 @@ import base64
 import datetime
 import decimal
 import json
-import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardgen import __version__
+from shardgen.config import content_fingerprint, published_sampling
 from shardgen.errors import MergeError
-from shardgen.io import atomic_write, atomic_write_text
+from shardgen.io import atomic_write, atomic_write_text, replace_dir
 from shardgen.outputs import CONFIG_KEY, PROVENANCE_KEY, SHARD_KEY, count_problems, output_schema, rows_per_input
 from shardgen.plan import Manifest
 from shardgen.results import ResultSpec
@@ -47,14 +47,16 @@ def output_path(config: dict[str, Any]) -> str:
     ]
 
 
-def _check_shards(manifest: Manifest, shard_dir: Path) -> tuple[RunTotals, dict[str, Any], str | None]:
-    """Check every shard file against the plan, summing their stats.
+def _check_shards(manifest: Manifest, shard_dir: Path, expected: str) -> tuple[RunTotals, dict[str, Any], str | None]:
+    """Check every shard file against the plan and the run's config fingerprint (``expected``), summing
+    their stats.
 
     Returns the run's totals, the first shard's stats (for the provenance) and
     the shared config fingerprint.
 
     Raises:
-        MergeError: naming every shard that is missing, incomplete, repeated or foreign.
+        MergeError: naming every shard that is missing, incomplete, repeated, foreign, or made with
+            another configuration than this run's.
     """
     problems: list[str] = []
     fingerprints: dict[str, list[str]] = {}
@@ -91,6 +93,14 @@ def _check_shards(manifest: Manifest, shard_dir: Path) -> tuple[RunTotals, dict[
             for fp, ids in fingerprints.items()
         )
         problems.append(f"the shards were made with {len(fingerprints)} different configurations ({groups})")
+    foreign = [ids for fp, ids in fingerprints.items() if fp != expected]
+    if foreign and len(fingerprints) == 1:
+        ids = foreign[0]
+        problems.append(
+            f"the shards were made with another configuration ({next(iter(fingerprints)) or 'none'}) than this run's "
+            f"({expected}): shards {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}; rerun the workflow with "
+            "this config, which redoes them"
+        )
     if problems:
         raise MergeError("merge refused:\n  " + "\n  ".join(problems))
     return run, first, next(iter(fingerprints), None)
@@ -110,7 +120,7 @@ def provenance(config: dict[str, Any], first: dict[str, Any], run: RunTotals, co
         "engine_args": engine.get("args"),
         # an attempt after running out of memory uses lower memory settings
         "shards_with_other_engine_args": differ,
-        "sampling": config["sampling"],
+        "sampling": published_sampling(config["sampling"]),
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
@@ -123,7 +133,8 @@ def _batches(manifest: Manifest, shard_dir: Path) -> Iterator[tuple[pa.Schema, p
             yield schema, batch
 
 
-def _write_parquet(path: str, batches: Iterator[tuple[pa.Schema, pa.RecordBatch]], empty: Callable, meta) -> None:
+def _write_parquet(sink: Any, batches: Iterator[tuple[pa.Schema, pa.RecordBatch]], empty: Callable, meta) -> None:
+    """Stream the batches into one Parquet file (``sink``: a path or a binary file)."""
     writer = None
     buffer: list[pa.RecordBatch] = []
 
@@ -135,14 +146,14 @@ def _write_parquet(path: str, batches: Iterator[tuple[pa.Schema, pa.RecordBatch]
     try:
         for schema, batch in batches:
             if writer is None:
-                writer = pq.ParquetWriter(path, schema.with_metadata(meta), compression="zstd")
+                writer = pq.ParquetWriter(sink, schema.with_metadata(meta), compression="zstd")
             buffer.append(batch)
             if sum(b.num_rows for b in buffer) >= ROW_GROUP_ROWS or sum(b.nbytes for b in buffer) >= ROW_GROUP_BYTES:
                 write_buffer()
         if writer is not None:
             write_buffer()
         if writer is None:  # an empty input (input.allow_empty) gets a row-less output
-            pq.write_table(empty().with_metadata(meta).empty_table(), path, compression="zstd")
+            pq.write_table(empty().with_metadata(meta).empty_table(), sink, compression="zstd")
     finally:
         if writer is not None:
             writer.close()
@@ -158,11 +169,10 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"cannot write a {type(value).__name__} as JSON")
 
 
-def _write_jsonl(path: str, batches: Iterator[tuple[pa.Schema, pa.RecordBatch]]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for _, batch in batches:
-            for row in batch.to_pylist():
-                f.write(json.dumps(row, ensure_ascii=False, default=_json_default) + "\n")
+def _write_jsonl(f: IO[bytes], batches: Iterator[tuple[pa.Schema, pa.RecordBatch]]) -> None:
+    for _, batch in batches:
+        for row in batch.to_pylist():
+            f.write((json.dumps(row, ensure_ascii=False, default=_json_default) + "\n").encode())
 
 
 def _write_hf(path: Path, batches, empty: Callable, meta, prov: dict[str, Any]) -> None:
@@ -177,9 +187,7 @@ def _write_hf(path: Path, batches, empty: Callable, meta, prov: dict[str, Any]) 
         ds = datasets.Dataset.from_parquet(merged, cache_dir=f"{tmp}/cache")
         ds.info.update(info)
         ds.save_to_disk(f"{tmp}/out")
-        if path.exists():
-            shutil.rmtree(path)
-        Path(f"{tmp}/out").rename(path)
+        replace_dir(Path(f"{tmp}/out"), path)
 
 
 def merge(
@@ -194,7 +202,7 @@ def merge(
     """
     manifest = Manifest.load(manifest_path)
     shard_dir = Path(shard_dir)
-    run, first, config_fp = _check_shards(manifest, shard_dir)
+    run, first, config_fp = _check_shards(manifest, shard_dir, content_fingerprint(config))
     prov = provenance(config, first, run, config_fp)
     meta = {CONFIG_KEY: (config_fp or "").encode(), PROVENANCE_KEY: json.dumps(prov).encode()}
 
@@ -205,9 +213,9 @@ def merge(
     batches = _batches(manifest, shard_dir)
     fmt = config["output"]["format"]
     if fmt == "parquet":
-        atomic_write(output, lambda tmp: _write_parquet(tmp, batches, empty, meta))
+        atomic_write(output, lambda f: _write_parquet(f, batches, empty, meta))
     elif fmt == "jsonl":
-        atomic_write(output, lambda tmp: _write_jsonl(tmp, batches))
+        atomic_write(output, lambda f: _write_jsonl(f, batches))
         atomic_write_text(f"{output}.provenance.json", json.dumps(prov, indent=1) + "\n")
     else:
         _write_hf(Path(output), batches, empty, meta, prov)
@@ -236,8 +244,6 @@ def push(config: dict[str, Any], dataset_path: str | Path, record_path: str | Pa
     ``huggingface_hub`` reads ``HF_TOKEN`` (or the login token) itself; no
     token is passed, logged or written here.
     """
-    from shardgen.config import content_fingerprint
-
     repo = config["output"]["push_to_hub"]
     ds = load_output(config, dataset_path)
     # a new repo is created private: the rows may be sensitive; an existing one keeps its visibility

@@ -10,8 +10,10 @@ only after it is committed.
 
 from __future__ import annotations
 
+import json
 import logging
-import shutil
+import re
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardgen.errors import InputError
-from shardgen.io import atomic_write
+from shardgen.io import Dir, atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -98,54 +100,102 @@ def count_problems(row_index: np.ndarray, start: int, stop: int, per_row: int) -
     return missing, extra
 
 
-def write_table(table: pa.Table, path: str | Path) -> None:
-    """Write a Parquet file atomically."""
-    atomic_write(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+def write_table(table: pa.Table, path: str | Path, below: str | Path | None = None) -> None:
+    """Write a Parquet file atomically (``below``: the output directory it sits in, see ``io.Dir.open``)."""
+    atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd"), below)
+
+
+# What a shard's checkpoint directory holds. shardgen reads, moves or removes
+# only these names; anything else there is left alone.
+PART_NAME = re.compile(r"part-(\d{6})\.parquet")
+ATTEMPTS = "attempts.jsonl"  # one line per attempt's start and end
+PROGRESS = "progress.json"  # rows finished so far, rewritten every few seconds while a job runs
+DISCARDED = "discarded"  # parts that cannot be reused, moved aside
+# A temporary file of io.Dir.write_atomic for one of the names above (the job died while writing it).
+_TMP_NAME = re.compile(r"\.(part-\d{6}\.parquet|attempts\.jsonl|progress\.json)\.[0-9a-f]{8}\.tmp")
 
 
 class ShardCheckpoint:
-    """The part files of one shard in progress.
+    """The part files of one shard in progress, and the record of its attempts.
 
     Args:
         directory: ``<output.dir>/checkpoints/<shard>``.
         start, stop: the shard's global row range.
-        schema: the output schema, carrying the fingerprint.
+        schema: the output schema, carrying the fingerprint and the shard id.
+        below: the output directory: no directory between it and
+            ``directory`` (or the committed shard file) may be a symlink.
     """
 
-    def __init__(self, directory: str | Path, start: int, stop: int, schema: pa.Schema) -> None:
-        self.dir = Path(directory)
+    def __init__(
+        self, directory: str | Path, start: int, stop: int, schema: pa.Schema, below: str | Path | None = None
+    ) -> None:
+        self.path = Path(directory)
+        self.below = below
         self.start, self.stop = start, stop
         self.schema = schema
         self.fingerprint = schema.metadata[FINGERPRINT_KEY].decode()
+        self.shard_id = schema.metadata[SHARD_KEY].decode()
         self.per_row = rows_per_input(schema)
         self.rows = stop - start
         self._tables: list[pa.Table] = []
+        self._parts: list[str] = []
         self._next = 0
+        self._dir: Dir | None = None
         self.discarded: list[str] = []
+        self.foreign: list[str] = []
+        # input rows in the parts read or written here
+        self.saved_inputs = 0
         # per-row errors among the resumed rows
         self.resumed_errors = 0
         self.first_error: str | None = None
 
+    @property
+    def dir(self) -> Dir:
+        if self._dir is None:
+            self._dir = Dir.open(self.path, below=self.below)
+        return self._dir
+
+    def close(self) -> None:
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
+
     def resume(self) -> set[int]:
         """Load every usable part; return the row indexes already done.
 
-        A part that cannot be read (the job died while writing it, or the disk
-        filled), that has another fingerprint (the config changed), or whose
-        rows fall outside the shard is removed, so its rows are generated again.
+        A part that cannot be read, that has another fingerprint (the config
+        changed), other columns, or rows outside the shard is moved aside to
+        ``discarded/``, and its rows are generated again. A file shardgen did
+        not write (another name, or a part of another shard) is left alone.
         """
         done: set[int] = set()
-        for part in sorted(self.dir.glob("part-*.parquet")):
-            self._next = max(self._next, int(part.stem.split("-")[1]) + 1)
+        d = self.dir
+        for name in d.names():
+            m = PART_NAME.fullmatch(name)
+            if m is None:
+                if _TMP_NAME.fullmatch(name):
+                    d.unlink(name)  # a write the job died in
+                elif name not in (ATTEMPTS, PROGRESS, DISCARDED):
+                    self.foreign.append(name)
+                continue
+            self._next = max(self._next, int(m.group(1)) + 1)
+            if not d.is_file(name):
+                self.foreign.append(name)
+                continue
             reason = None
             try:
-                table = pq.read_table(part)
+                with d.open_read(name) as f:
+                    table = pq.read_table(f)
             except (pa.ArrowInvalid, OSError) as e:
                 reason = f"unreadable ({e})"
             else:
-                fp = (table.schema.metadata or {}).get(FINGERPRINT_KEY, b"").decode()
+                meta = table.schema.metadata or {}
+                if meta.get(SHARD_KEY, b"").decode() != self.shard_id:
+                    self.foreign.append(name)  # not this shard's: not ours to touch
+                    continue
                 idx = table.column("row_index").to_numpy() if "row_index" in table.column_names else np.array([])
                 rows = set(idx.tolist())
-                if fp != self.fingerprint:
+                if meta.get(FINGERPRINT_KEY, b"").decode() != self.fingerprint:
                     reason = "made with another configuration"
                 elif not table.schema.remove_metadata().equals(self.schema.remove_metadata()):
                     reason = "has other columns"
@@ -154,31 +204,75 @@ class ShardCheckpoint:
                 elif done.intersection(rows):
                     reason = "repeats rows of an earlier part"
             if reason:
-                log.warning("checkpoint %s %s: its rows will be generated again", part, reason)
-                self.discarded.append(f"{part.name}: {reason}")
-                part.unlink(missing_ok=True)
+                self._discard(name, reason)
                 continue
             done.update(rows)
+            self.saved_inputs += len(rows)
             self._tables.append(table)
+            self._parts.append(name)
             bad = table.filter(table.column("error").is_valid())
             self.resumed_errors += len(set(bad.column("row_index").to_pylist()))
             if self.first_error is None and bad.num_rows:
                 self.first_error = f"row {bad.column('row_index')[0]}: {bad.column('error')[0]}"
-        for stale in self.dir.glob(".part-*.tmp"):  # a write the job died in
-            stale.unlink(missing_ok=True)
+        if self.foreign:
+            log.warning("%s holds files shardgen did not write; left alone: %s", self.path, ", ".join(self.foreign))
         return done
+
+    def _discard(self, name: str, reason: str) -> None:
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        with self.dir.sub(DISCARDED) as aside:
+            new = f"{stamp}-{name}"
+            self.dir.move(name, aside, new)
+        log.warning("checkpoint %s %s: moved to %s; its rows will be generated again", name, reason, aside.path / new)
+        self.discarded.append(f"{name}: {reason} (moved to {DISCARDED}/{new})")
 
     def flush(self, rows: list[dict[str, Any]]) -> None:
         """Write finished rows as one new part file."""
         if not rows:
             return
         table = pa.Table.from_pylist(rows, schema=self.schema)
-        write_table(table, self.dir / f"part-{self._next:06d}.parquet")
+        name = f"part-{self._next:06d}.parquet"
+        self.dir.write_atomic(name, lambda f: pq.write_table(table, f, compression="zstd"))
+        self.saved_inputs += len(set(table.column("row_index").to_pylist()))
         self._next += 1
         self._tables.append(table)
+        self._parts.append(name)
+
+    # -- the record of attempts -----------------------------------------------------------------
+
+    def log_attempt(self, record: dict[str, Any]) -> None:
+        """Append one event (an attempt's start or end) to ``attempts.jsonl``."""
+        self.dir.append_line(ATTEMPTS, json.dumps(record, default=str))
+
+    def attempts(self) -> list[dict[str, Any]]:
+        """Each attempt so far: its start record with its end record's fields (``outcome`` None: it
+        was killed without a word, or is this one)."""
+        if not self.dir.exists(ATTEMPTS):
+            return []
+        out: list[dict[str, Any]] = []
+        for line in self.dir.read_text(ATTEMPTS).splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a full disk
+            if event.get("event") == "start":
+                out.append({**event, "outcome": None})
+            elif out:
+                out[-1].update({k: v for k, v in event.items() if k != "event"})
+        for a in out:
+            a.pop("event", None)
+        return out
+
+    def write_progress(self, progress: dict[str, Any]) -> None:
+        self.dir.write_atomic(PROGRESS, lambda f: f.write(json.dumps(progress).encode()))
+
+    # -- commit -----------------------------------------------------------------------------------
 
     def commit(self, path: str | Path) -> pa.Table:
         """Assemble the shard file from the parts, in input order, then remove the parts.
+
+        Only the parts read or written here and shardgen's own records are
+        removed, and the directory only when nothing else is left in it.
 
         Raises:
             InputError: the parts do not hold every row of the shard exactly once.
@@ -189,6 +283,10 @@ class ShardCheckpoint:
         missing, extra = count_problems(table.column("row_index").to_numpy(), self.start, self.stop, self.per_row)
         if missing or extra:
             raise InputError(f"shard rows [{self.start}, {self.stop}): {missing} missing, {extra} repeated")
-        write_table(table.replace_schema_metadata(self.schema.metadata), path)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        write_table(table.replace_schema_metadata(self.schema.metadata), path, self.below)
+        for name in [*self._parts, ATTEMPTS, PROGRESS]:
+            self.dir.unlink(name)
+        self.close()
+        with Dir.open(self.path.parent, below=self.below) as parent:
+            parent.rmdir(self.path.name)
         return table

@@ -229,6 +229,8 @@ def run(config: dict[str, Any], manifest_path: str | Path, record: dict[str, Any
 
     # A sample of rows: the template renders, prompts tokenize and fit.
     renderer = PromptRenderer.from_config(prompt_cfg)
+    if max_len is not None:
+        renderer.max_chars = tokenizer.max_prompt_chars
     sample = sample_rows(source, manifest, config["preflight"]["sample_rows"])
     lengths: list[int] = []
     reasons: dict[str, int] = {}
@@ -285,7 +287,8 @@ def estimate(config: dict[str, Any], manifest: Manifest, lengths: list[int]) -> 
     """The run's size: rows, shards, prompt tokens (from the sample) and GPU-hours at the stated throughput."""
     rows, shards = manifest.total_rows, len(manifest.shards)
     pre = config["preflight"]
-    out_tokens = rows * config["sampling"]["max_tokens"]
+    # every sample of a row is generated: n of them
+    out_tokens = rows * config["sampling"]["max_tokens"] * config["sampling"]["n"]
     mean_prompt = sum(lengths) / len(lengths) if lengths else 0.0
     seconds = out_tokens / pre["tokens_per_second"] + shards * pre["engine_start_seconds"]
     return {

@@ -2,8 +2,12 @@
 or a column that already holds the conversation.
 
 The template sees the row's columns as variables. Rendering never runs code
-from the config: the sandbox refuses access to Python internals, and a
-template that tries gets a clear error instead. In chat mode the prompt is a
+from the config: the sandbox refuses access to Python internals, and bounds
+the size of what a template builds and the time a render takes
+(``shardgen.sandbox``); a template that tries gets a clear error instead. A
+rendered prompt longer than ``max_chars`` (set by the job from the context
+length and the tokenizer) is a ``prompt_too_long`` row error before anything
+is tokenized. In chat mode the prompt is a
 list of messages: the system message, the few-shot turns, then the row's own
 message(s), so that everything shared by all rows comes first and is reused
 from the prefix cache.
@@ -17,9 +21,9 @@ from typing import Any
 import jinja2
 import jinja2.meta
 from jinja2.exceptions import SecurityError, TemplateSyntaxError, UndefinedError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from shardgen.errors import ConfigError, RowError
+from shardgen.sandbox import MAX_ITEMS, BoundedSandbox, TemplateBoundError, recursive_macros, render_budget
 
 ROLES = ("system", "user", "assistant")
 
@@ -51,16 +55,22 @@ class PromptRenderer:
             raise ConfigError(f"{key} needs chat mode (prompt.chat: true): it is a list of chat messages")
         self._template = None
         self.columns: frozenset[str] = frozenset()
+        # the longest prompt (characters) that could fit the context; the job sets it from the tokenizer
+        self.max_chars = MAX_ITEMS
         if template is not None:
-            env = ImmutableSandboxedEnvironment(
-                undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True
-            )
+            env = BoundedSandbox(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True)
             try:
                 parsed = env.parse(template)
-                self._template = env.from_string(parsed)
+                if recursive := recursive_macros(parsed):
+                    raise ConfigError(f"prompt.template: the macro(s) {', '.join(recursive)} call themselves; "
+                                      "recursion is not allowed in prompt templates")  # fmt: skip
+                with render_budget():
+                    self._template = env.from_string(parsed)
             except TemplateSyntaxError as e:
                 raise ConfigError(f"prompt.template: syntax error on line {e.lineno}: {e.message}") from e
-            except (jinja2.TemplateError, RecursionError, MemoryError) as e:
+            except ConfigError:
+                raise
+            except Exception as e:
                 raise ConfigError(f"prompt.template: cannot compile it: {type(e).__name__}: {e}") from e
             self.columns = frozenset(jinja2.meta.find_undeclared_variables(parsed))
         else:
@@ -99,9 +109,14 @@ class PromptRenderer:
             if isinstance(value, bytes):
                 values[name] = _decode(name, value)
         try:
-            text = self._template.render(values)
+            with render_budget():
+                text = self._render(values)
+        except RowError:
+            raise
         except UndefinedError as e:
             raise RowError("template_error", f"template: {e.message}") from e
+        except TemplateBoundError as e:
+            raise RowError("template_error", f"template: {e}; templates are bounded in size and time") from e
         except SecurityError as e:
             raise RowError("template_unsafe", f"template: unsafe operation refused by the sandbox: {e}") from e
         except Exception as e:
@@ -109,6 +124,21 @@ class PromptRenderer:
         if not text.strip():
             raise RowError("empty_prompt", "the rendered prompt is empty")
         return text
+
+    def _render(self, values: dict[str, Any]) -> str:
+        """Render piece by piece, stopping once the prompt is longer than ``max_chars`` (a cell of a
+        gigabyte is never copied, let alone tokenized)."""
+        assert self._template is not None
+        pieces, length = [], 0
+        for piece in self._template.generate(values):
+            length += len(piece)
+            if length > self.max_chars:
+                raise RowError("prompt_too_long", self._too_long())
+            pieces.append(piece)
+        return "".join(pieces)
+
+    def _too_long(self) -> str:
+        return f"the prompt has more than {self.max_chars} characters, more than the context (max_model_len) can hold"
 
     def row_messages(self, row: Mapping[str, Any]) -> list[dict[str, str]]:
         """The messages of ``prompt.messages_column`` for one row, checked.
@@ -140,6 +170,8 @@ class PromptRenderer:
                     "invalid_messages", f"column '{name}', message {i}: a system message, and prompt.system is set too"
                 )
             messages.append({"role": role, "content": content})
+        if sum(len(m["content"]) for m in messages) > self.max_chars:
+            raise RowError("prompt_too_long", self._too_long())
         if messages[-1]["role"] == "assistant":
             raise RowError("invalid_messages", f"column '{name}': the last message is the assistant's, not a question")
         return messages

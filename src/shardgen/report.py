@@ -333,7 +333,7 @@ def _styled(plot: Callable[..., Path]) -> Callable[..., Path]:
 
 
 def _save(fig: Figure, path: Path, title: str) -> Path:
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="svg", metadata={"Title": title, "Date": None}))
+    atomic_write(path, lambda f: fig.savefig(f, format="svg", metadata={"Title": title, "Date": None}))
     return path
 
 

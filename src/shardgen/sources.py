@@ -300,6 +300,25 @@ def open_source(input_cfg: dict[str, Any]) -> Source:
     raise InputError("input: set one of input.parquet, input.hf or input.disk")
 
 
+def input_signature(input_cfg: dict[str, Any]) -> list[list[Any]]:
+    """Size and modification time of every local input file, from ``stat`` alone (cheap enough for
+    every Snakefile parse): a file edited in place changes it, so the run plans again instead of
+    refusing the changed input in every job. Paths that do not exist are left to planning to name."""
+    paths: list[str] = []
+    if input_cfg.get("parquet"):
+        try:
+            paths = expand_parquet_patterns(input_cfg["parquet"])
+        except InputError:
+            return []
+    elif input_cfg.get("disk") and os.path.isdir(input_cfg["disk"]):
+        paths = sorted(str(p) for p in Path(input_cfg["disk"]).iterdir() if p.is_file())
+    out = []
+    for path in paths:
+        st = os.stat(path)
+        out.append([path, st.st_size, st.st_mtime_ns])
+    return out
+
+
 def source_from_manifest(entry: dict[str, Any]) -> Source:
     if entry["kind"] == "parquet":
         return ParquetSource.from_manifest(entry)

@@ -1,7 +1,11 @@
-"""Jobs that die: kill -9, scancel, a Slurm time limit, an out-of-memory at engine start.
+"""Jobs that die: kill -9, a Slurm time limit, scancel, an out-of-memory at engine start.
 
 Each run has one shard whose rows finish a few at a time (``max_num_seqs``
-small), so that it can be broken after some rows are saved and before all are.
+small), so that it can be broken after some rows are done and before all
+are. Periodic saves are set far above the shard's size wherever a test
+proves what a signal saves: only the save the signal makes can put rows in
+a checkpoint. What each attempt did is read from the shard's record of its
+attempts (``stats["attempts"]``), never derived from the other counts.
 """
 
 from __future__ import annotations
@@ -15,17 +19,26 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import make_rows, write_parquet
-from tests.integration.workflow import Background, part_rows, run_workflow, slurm_available, workflow_config
+from tests.integration.workflow import (
+    Background,
+    dry_run_jobs,
+    part_rows,
+    run_workflow,
+    slurm_available,
+    workflow_config,
+)
 
 pytestmark = pytest.mark.engine
 
+NO_PERIODIC_SAVES = {"rows": 10_000, "seconds": 3600}
 
-def one_shard_run(tmp_path, rows: int, **model):
+
+def one_shard_run(tmp_path, rows: int, checkpoint=None, **model):
     write_parquet(tmp_path / "data" / "in.parquet", make_rows(rows))
     config = workflow_config(
         {"parquet": [str(tmp_path / "data" / "in.parquet")], "id_column": "id"},
         shards={"rows_per_shard": rows},
-        checkpoint={"rows": 4, "seconds": 300},
+        checkpoint=checkpoint or {"rows": 4, "seconds": 300},
         sampling={"temperature": 0.0, "max_tokens": 24, "ignore_eos": True},
     )
     config["model"].update({"max_num_seqs": 4, **model})
@@ -38,6 +51,7 @@ def results(tmp_path, rows: int):
     shard = json.loads((tmp_path / "results" / "shards" / "00000.stats.json").read_text())
     assert table.column("id").to_pylist() == [f"r{i:05d}" for i in range(rows)], "every row exactly once, in order"
     assert table.column("error").null_count == rows
+    assert shard["checkpoints_discarded"] == [], "every saved part was whole and was reused"
     assert not (tmp_path / "results" / "checkpoints" / "00000").exists()
     return table, shard
 
@@ -46,9 +60,18 @@ def checkpoints(tmp_path):
     return tmp_path / "results" / "checkpoints" / "00000"
 
 
-def test_kill_9_of_a_generate_process_resumes_and_regenerates_only_unsaved_rows(tmp_path):
+def progress(tmp_path) -> dict:
+    """What the running shard last reported: rows done (saved or not) and rows saved."""
+    try:
+        return json.loads((checkpoints(tmp_path) / "progress.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def test_kill_9_loses_only_unsaved_rows_and_a_rerun_after_the_retries_are_used_up_resumes(tmp_path):
     rows = 60
-    run = Background(tmp_path, one_shard_run(tmp_path, rows), "local")  # the local profile retries once
+    config = one_shard_run(tmp_path, rows)
+    run = Background(tmp_path, config, "local", "--retries", "0")
     run.wait_until(lambda: part_rows(checkpoints(tmp_path)) > 0, 300, "a checkpoint part")
     job = next(
         p
@@ -56,86 +79,92 @@ def test_kill_9_of_a_generate_process_resumes_and_regenerates_only_unsaved_rows(
         if "generate" in (p.info["cmdline"] or []) and any(a.endswith("shardgen") for a in p.info["cmdline"])
     )
     victims = [*job.children(recursive=True), job]
-    for p in victims:  # what the OOM killer or a node failure does: no warning, no flush
+    for p in victims:  # what the OOM killer or a node failure does: no warning, no save
         p.kill()
     saved = part_rows(checkpoints(tmp_path))
     assert 0 < saved < rows
-    run.wait()
+    with pytest.raises(AssertionError, match="snakemake failed"):
+        run.wait()  # no retries left: the run stops
+    # the same command again, as the README says to
+    run_workflow(tmp_path, config, "local", "--retries", "0")
     _, shard = results(tmp_path, rows)
     assert shard["rows_resumed"] == saved, "every saved row was reused"
-    assert shard["rows_generated"] == rows - saved, "only the unsaved rows were generated again"
+    assert shard["attempt_requests"] == rows - saved, "the engine was sent only the unsaved rows"
+    killed, finished = shard["attempts"]
+    assert killed["outcome"] is None, "a killed attempt could not record its end"
+    assert finished["outcome"] == "committed" and finished["rows_done_before"] == saved
 
 
-def _running_job_ids() -> list[str]:
-    out = subprocess.run(["squeue", "-h", "-t", "R", "-o", "%i"], capture_output=True, text=True).stdout
-    return out.split()
-
-
-def _job_states() -> dict[str, str]:
-    out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i %T"], capture_output=True, text=True).stdout
+def _job_states(job_ids) -> dict[str, str]:
+    out = subprocess.run(
+        ["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%i %T"], capture_output=True, text=True
+    ).stdout
     return dict(line.split() for line in out.splitlines() if line.strip())
 
 
 @pytest.mark.slurm
-def test_scancel_of_a_running_shard_job_is_retried_and_completes_exactly_once(tmp_path):
+def test_a_time_limit_and_a_scancel_each_save_the_finished_rows_and_the_retries_get_more_time(tmp_path):
+    """SIGTERM reaches shardgen under Slurm, from the time limit and from scancel, and what it saves
+    is what the next attempt resumes; each attempt gets runtime × its number."""
     if not slurm_available():
         pytest.fail("no Slurm cluster: run `make slurm` first")
-    rows = 60
-    run = Background(tmp_path, one_shard_run(tmp_path, rows), "slurm")
-    run.wait_until(lambda: part_rows(checkpoints(tmp_path)) > 0, 400, "a checkpoint part")
-    (job_id,) = _running_job_ids()
-    saved_before = part_rows(checkpoints(tmp_path))
-    subprocess.run(["scancel", job_id], check=True)
+    rows = 300
+    # About 25-55 s from job start to the first row and 2-3.5 rows/s here. Attempt 1 (1 minute) runs
+    # out of time after some rows (Slurm enforces the limit within about 30 s: 140 rows were done in
+    # one run); attempt 2 (2 minutes) is cancelled once it has generated rows of its own; attempt 3
+    # (3 minutes) finishes. Slurm signals every process of the job, vLLM's engine core included.
+    config = one_shard_run(tmp_path, rows, checkpoint=NO_PERIODIC_SAVES)
+    config["resources"]["runtime"] = 1
+    run = Background(tmp_path, config, "slurm")
+    run.wait_until(lambda: progress(tmp_path).get("attempt") == 2, 600, "the second attempt")
+    resumed = progress(tmp_path)["saved"]
+    run.wait_until(lambda: progress(tmp_path).get("done", 0) >= resumed + 4, 300, "rows of the second attempt")
+    assert progress(tmp_path)["saved"] == resumed, "no periodic save: only a signal saves"
+    subprocess.run(["scancel", progress(tmp_path)["job_id"]], check=True)
     run.wait()
     _, shard = results(tmp_path, rows)
-    assert shard["slurm"]["job_id"] != job_id, "a new job finished the shard"
-    assert _job_states()[job_id] == "CANCELLED"
-    # SIGTERM let the cancelled job save what it had finished
-    assert shard["rows_resumed"] >= saved_before > 0
-    assert shard["rows_generated"] == rows - shard["rows_resumed"]
-
-
-@pytest.mark.slurm
-def test_a_time_limit_too_short_for_the_first_attempt_is_retried_with_more_time(tmp_path):
-    if not slurm_available():
-        pytest.fail("no Slurm cluster: run `make slurm` first")
-    rows = 240
-    # About 55 s from job start to the first row and 2-3.5 rows/s here: far
-    # past the first attempt's limit (Slurm enforces it within about 30 s);
-    # the second (2 minutes) or the third (3) finishes the shard.
-    config = one_shard_run(tmp_path, rows)
-    config["resources"]["runtime"] = 1  # minutes; the retry gets 2, then 3
-    run_workflow(tmp_path, config, "slurm")
-    _, shard = results(tmp_path, rows)
-    states = _job_states()
-    assert "TIMEOUT" in states.values(), f"the first attempt hit its time limit: {states}"
-    assert shard["rows_resumed"] > 0, "the timed-out attempt saved its finished rows"
-    assert shard["rows_generated"] == rows - shard["rows_resumed"]
+    timed_out, cancelled, finished = shard["attempts"]
+    assert [a["slurm"]["time_limit"] for a in shard["attempts"]] == ["00:01:00", "00:02:00", "00:03:00"]
+    assert timed_out["outcome"] == cancelled["outcome"] == "interrupted"
+    assert timed_out["signal"] == cancelled["signal"] == "SIGTERM"
+    assert 0 < timed_out["rows_saved"] == cancelled["rows_done_before"] == resumed
+    assert cancelled["rows_saved"] == finished["rows_done_before"] == shard["rows_resumed"] > resumed
+    assert shard["attempt_requests"] == rows - shard["rows_resumed"], "the engine was sent only the unsaved rows"
+    states = _job_states([a["slurm"]["job_id"] for a in shard["attempts"]])
+    assert [states[a["slurm"]["job_id"]] for a in shard["attempts"]] == ["TIMEOUT", "CANCELLED", "COMPLETED"]
     # the log names the Slurm job of the attempt that finished
     log = (tmp_path / "results" / "logs" / "generate_shard" / "00000.log").read_text()
-    assert re.search(rf"start on \S+, Slurm job {shard['slurm']['job_id']} ", log), log[:2000]
+    assert re.search(rf"start on \S+, Slurm job {finished['slurm']['job_id']} ", log), log[:2000]
 
 
-def test_an_out_of_memory_at_engine_start_is_retried_with_lower_settings(tmp_path):
-    from shardgen.engine import fp8_kv_cache_supported
+def test_a_kv_cache_too_small_at_engine_start_is_retried_with_a_larger_one_and_succeeds(tmp_path):
+    """Also, while this run goes: a dry run of another config in its directory changes nothing it
+    reads, and a second run on its output directory from elsewhere is refused, naming this one."""
+    from shardgen.config import content_fingerprint, validate
 
-    # A KV cache too small for one 1024-token sequence in float32, large enough in FP8.
+    # A KV cache of 32 MiB cannot hold one 1024-token sequence in float32 (53 MB are needed:
+    # vllm/v1/core/kv_cache_utils.py); the retry doubles it to 64 MiB, which can.
     rows = 8
-    config = one_shard_run(tmp_path, rows, kv_cache_memory_bytes=16 * 1024 * 1024)
-    if not fp8_kv_cache_supported("cpu"):
-        # vLLM's CPU build has an FP8 KV cache only with AVX-512 or AMX: the
-        # retry cannot turn it on here, halves the batch, fails again, and says what to do.
-        r = run_workflow(tmp_path, config, "local", check=False)  # the local profile retries once
-        assert r.returncode != 0
-        failures = json.loads((checkpoints(tmp_path) / "memory_failures.json").read_text())
-        assert [f["stage"] for f in failures] == ["engine start", "engine start"]
-        assert failures[1]["settings"] == {"max_num_seqs": 2, "gpu_memory_utilization": 0.85, "kv_cache_dtype": None}
-        log = (tmp_path / "results" / "logs" / "generate_shard" / "00000.log").read_text()
-        assert "out of memory during engine start" in log and "lower model.max_model_len" in log
-        return
-    run_workflow(tmp_path, config, "local")  # the local profile retries once
+    config = one_shard_run(tmp_path, rows, kv_cache_memory_bytes=32 * 2**20)
+    run = Background(tmp_path, config, "local")  # the local profile retries once
+    run.wait_until(lambda: (checkpoints(tmp_path) / "attempts.jsonl").exists(), 300, "the first attempt")
+    other = {**config, "sampling": {**config["sampling"], "max_tokens": 5}}
+    assert dry_run_jobs(tmp_path, other).get("generate_shard") == 1
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    second = run_workflow(elsewhere, {**config, "output": {"dir": str(tmp_path / "results")}}, "local", check=False)
+    said = second.stdout + second.stderr
+    assert second.returncode != 0
+    in_use = rf"output.dir '.*results' is in use by another run \(process \d+ of \S+ on \S+, started .* in {tmp_path}\)"
+    assert re.search(in_use, said), said[-3000:]
+    run.wait()
     _, shard = results(tmp_path, rows)
     (failure,) = shard["memory_failures"]
-    assert failure["stage"] == "engine start" and failure["settings"]["kv_cache_dtype"] is None
-    assert shard["memory_overrides"] == {"max_num_seqs": 2, "gpu_memory_utilization": 0.85, "kv_cache_dtype": "fp8"}
-    assert shard["engine"]["args"]["kv_cache_dtype"] == "fp8"
+    assert failure["kind"] == "kv_cache_too_small" and failure["stage"] == "engine start"
+    assert failure["settings"]["kv_cache_memory_bytes"] == 32 * 2**20
+    assert shard["memory_overrides"] == {"kv_cache_memory_bytes": 64 * 2**20}
+    assert shard["engine"]["args"]["kv_cache_memory_bytes"] == 64 * 2**20
+    assert [a["outcome"] for a in shard["attempts"]] == ["out_of_memory", "committed"]
+    stats = json.loads((tmp_path / "results" / "stats.json").read_text())
+    assert stats["config_fingerprint"] == content_fingerprint(validate(config)), "made under the run's own config"
+    assert stats["provenance"]["sampling"]["max_tokens"] == 24 and stats["generated_tokens"] == rows * 24

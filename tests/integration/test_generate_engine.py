@@ -51,18 +51,58 @@ def test_every_row_of_a_shard_gets_a_generation_and_the_stats_match_the_rows(tmp
     assert stats["histograms"]["ttft_s"], "time to first token comes from vLLM's per-request metrics"
 
 
-def test_an_overlong_prompt_is_a_row_error_and_the_shard_goes_on(tmp_path, llm):
-    rows = make_rows(8)
-    rows[3]["topic"] = "very long " * 2000  # far beyond max_model_len (1024)
-    rows[5]["topic"] = None
-    config, manifest = plan(tmp_path, rows, errors={"max_rate": 0.25})
+def test_bad_rows_of_every_kind_are_row_errors_and_the_shard_goes_on(tmp_path, llm):
+    rows = [{"text": f"Say hello to {i}.", "raw": b"", "n": 1} for i in range(9)]
+    rows[1]["text"] = "very long " * 2000  # far beyond max_model_len (1024)
+    rows[2]["text"] = None
+    rows[3]["text"] = "   "
+    rows[4]["raw"] = b"\xff\xfe not utf-8"
+    rows[5]["n"] = 0  # the template divides by it
+    config, manifest = plan(
+        tmp_path,
+        rows,
+        prompt={"template": "{{ text }}{{ raw }}{{ '' if 100 // n else '' }}"},
+        shards={"rows_per_shard": 9},
+        errors={"max_rate": 0.6},
+    )
     table, stats = run(tmp_path, config, manifest, "00000", llm)
     errors = table.column("error").to_pylist()
-    assert errors[3].startswith("prompt_too_long: the prompt has ")
-    assert errors[5] == "null_value: column 'topic' is null"
-    assert all(e is None for i, e in enumerate(errors) if i not in (3, 5))
-    assert stats["errors"] == 2 and stats["error_reasons"] == {"prompt_too_long": 1, "null_value": 1}
-    assert table.column("generation").to_pylist()[4]
+    assert errors[1].startswith("prompt_too_long: the prompt has ")
+    assert errors[2] == "null_value: column 'text' is null"
+    assert errors[3] == "empty_prompt: the rendered prompt is empty"
+    assert errors[4].startswith("undecodable_text: column 'raw' is not valid UTF-8")
+    assert errors[5] == "template_error: template: ZeroDivisionError: integer division or modulo by zero"
+    assert [e for i, e in enumerate(errors) if i not in (1, 2, 3, 4, 5)] == [None] * 4
+    assert all(table.column("generation").to_pylist()[i] for i in (0, 6, 7, 8))
+    assert stats["errors"] == 5 and stats["error_reasons"] == {
+        "prompt_too_long": 1,
+        "null_value": 1,
+        "empty_prompt": 1,
+        "undecodable_text": 1,
+        "template_error": 1,
+    }
+
+
+def test_a_gigabyte_cell_is_a_prompt_too_long_row_error_without_being_tokenized(tmp_path, llm, monkeypatch):
+    """A 1 GiB cell would be about 350 million token ids: it must never reach the tokenizer."""
+    rows = make_rows(4)
+    rows[2]["topic"] = "x" * 2**30
+    config, manifest = plan(tmp_path, rows, shards={"rows_per_shard": 4}, errors={"max_rate": 0.5})
+    del rows
+    longest = []
+    real_encode = eng.Tokenizer.encode
+
+    def encode(self, prompt):
+        longest.append(len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt))
+        return real_encode(self, prompt)
+
+    monkeypatch.setattr(eng.Tokenizer, "encode", encode)
+    out, stats_path = tmp_path / "s.parquet", tmp_path / "s.json"
+    stats = run_shard(config, manifest, "00000", out, stats_path, llm=llm)
+    errors = pq.read_table(out, columns=["error"]).column("error").to_pylist()
+    assert errors[2].startswith("prompt_too_long: the prompt has more than") and errors.count(None) == 3
+    assert len(longest) == 3 and max(longest) < 1000, "only the three ordinary rows were tokenized"
+    assert stats["error_reasons"] == {"prompt_too_long": 1}
 
 
 def stop_after_first_flush(monkeypatch) -> list[int]:
@@ -99,14 +139,75 @@ def partial_run(tmp_path, llm, monkeypatch, **overrides) -> tuple[dict, object, 
     return config, manifest, sum(flushed)
 
 
-def test_a_stopped_shard_saves_finished_rows_and_the_next_attempt_generates_only_the_rest(tmp_path, llm, monkeypatch):
-    config, manifest, saved = partial_run(tmp_path, llm, monkeypatch)
-    assert 3 <= saved < 16
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_saves_exactly_the_rows_finished_before_it_and_the_next_attempt_sends_only_the_rest(
+    tmp_path, llm, monkeypatch, signum
+):
+    """Periodic saves are far above the shard's size: the only save is the one the signal makes."""
+    rows = 16
+    config, manifest = plan(
+        tmp_path, make_rows(rows), shards={"rows_per_shard": rows}, checkpoint={"rows": 10_000, "seconds": 3600}
+    )
+    engine = llm.llm_engine
+    finished = {"before_signal": 0, "all": 0}
+    real_step = engine.step
+
+    def step():
+        outputs = real_step()
+        finished["all"] += sum(1 for o in outputs if o.finished)
+        if finished["all"] >= 5 and not finished["before_signal"]:
+            finished["before_signal"] = finished["all"]  # what the engine finished before the signal
+            os.kill(os.getpid(), signum)
+        return outputs
+
+    parts_before_signal = []
+    real_flush = ShardCheckpoint.flush
+
+    def flush(self, rows_):
+        if rows_ and not finished["before_signal"]:
+            parts_before_signal.append(len(rows_))
+        real_flush(self, rows_)
+
+    with monkeypatch.context() as m:
+        m.setattr(engine, "step", step)
+        m.setattr(ShardCheckpoint, "flush", flush)
+        real_init = eng.Feeder.__init__
+        m.setattr(eng.Feeder, "__init__", lambda self, llm, params, window=None: real_init(self, llm, params, 2))
+        with pytest.raises(Interrupted, match=f"stopped by {signal.Signals(signum).name}"):
+            run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", llm=llm)
+    saved = finished["before_signal"]
+    assert 5 <= saved < rows and parts_before_signal == [], "no periodic save happened before the signal"
+    assert part_rows(tmp_path / "out" / "checkpoints" / "00000") == saved
+    # the next attempt: what was finished comes from the checkpoint; the engine gets only the rest
     table, stats = run(tmp_path, config, manifest, "00000", llm)
-    assert table.column("row_index").to_pylist() == list(range(16))
-    assert stats["rows_resumed"] == saved and stats["rows_generated"] == 16 - saved
-    assert stats["attempt_requests"] == 16 - saved
+    assert table.column("row_index").to_pylist() == list(range(rows))
+    assert stats["rows_resumed"] == saved
+    assert stats["attempt_requests"] == rows - saved == stats["rows_generated"], "only the unsaved rows were sent"
+    first, second = stats["attempts"]
+    assert first["outcome"] == "interrupted" and first["signal"] == signal.Signals(signum).name
+    assert first["rows_saved"] == saved and second["outcome"] == "committed"
     assert not (tmp_path / "out" / "checkpoints" / "00000").exists()
+
+
+def test_the_time_trigger_saves_rows_without_the_row_trigger(tmp_path, llm, monkeypatch):
+    """checkpoint.seconds alone makes saves while the shard runs (the row trigger is out of reach)."""
+    config, manifest = plan(
+        tmp_path, make_rows(16), shards={"rows_per_shard": 16}, checkpoint={"rows": 10_000, "seconds": 0.001}
+    )
+    saves = []
+    real_flush = ShardCheckpoint.flush
+
+    def flush(self, rows_):
+        if rows_:
+            saves.append(len(rows_))
+        real_flush(self, rows_)
+
+    with monkeypatch.context() as m:
+        m.setattr(ShardCheckpoint, "flush", flush)
+        real_init = eng.Feeder.__init__
+        m.setattr(eng.Feeder, "__init__", lambda self, llm, params, window=None: real_init(self, llm, params, 2))
+        run(tmp_path, config, manifest, "00000", llm)
+    assert len(saves) >= 4 and sum(saves) == 16, saves
 
 
 def test_a_truncated_part_is_detected_and_its_rows_generated_again(tmp_path, llm, monkeypatch):
@@ -195,3 +296,57 @@ def test_several_shards_in_one_job_share_the_engine_and_a_retry_keeps_the_commit
     done = run_shards(config, manifest, ["00000"], shard_dir, engine=SharedEngine(llm))
     assert [s["shard"] for s in done] == ["00000"]
     assert llm.llm_engine.get_num_unfinished_requests() == 0, "the shared engine is still there, idle"
+
+
+def test_out_of_memory_while_generating_keeps_the_finished_rows_and_the_retry_halves_the_batch_the_engine_used(
+    tmp_path, llm, monkeypatch
+):
+    """CUDA out of memory cannot happen on the CPU build: vLLM's message is raised from a step, as on a GPU."""
+    from shardgen.generate import OutOfMemory
+
+    config, manifest = plan(
+        tmp_path, make_rows(16), shards={"rows_per_shard": 16}, checkpoint={"rows": 10_000, "seconds": 3600}
+    )
+    engine = llm.llm_engine
+    real_step, steps = engine.step, []
+
+    def step():
+        steps.append(1)
+        if len(steps) == 30:  # a request takes about 13 steps: some have finished
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79 GiB")
+        return real_step()
+
+    with monkeypatch.context() as m:
+        m.setattr(engine, "step", step)
+        real_init = eng.Feeder.__init__
+        m.setattr(eng.Feeder, "__init__", lambda self, llm, params, window=None: real_init(self, llm, params, 2))
+        with pytest.raises(OutOfMemory, match="out of memory during generation"):
+            run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", llm=llm)
+    assert llm.llm_engine.get_num_unfinished_requests() == 0, "the failed feed's requests were aborted"
+    saved = part_rows(tmp_path / "out" / "checkpoints" / "00000")
+    assert saved > 0, "rows finished before the failure are saved"
+    used = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    table, stats = run(tmp_path, config, manifest, "00000", llm)
+    assert table.column("row_index").to_pylist() == list(range(16)) and stats["rows_resumed"] == saved
+    (failure,) = stats["memory_failures"]
+    assert failure["kind"] == "out_of_memory" and failure["stage"] == "generation"
+    assert failure["settings"]["max_num_seqs"] == used, "the settings the running engine used, not the config's"
+    assert stats["memory_overrides"]["max_num_seqs"] == used // 2
+    assert stats["attempts"][0]["outcome"] == "out_of_memory"
+
+
+def test_a_job_on_gpus_it_cannot_use_stops_before_the_model_loads(tmp_path, model_dir, monkeypatch):
+    """On the CUDA build, a job that got one GPU for a tensor-parallel 2 model: stopped with both named,
+    before the engine (which would load the weights) is created."""
+    from shardgen import gpus
+    from shardgen.generate import WrongGpus
+
+    config, manifest = plan(tmp_path, make_rows(4), model={"tensor_parallel_size": 2})
+    h100 = gpus.make_gpu("NVIDIA H100 80GB HBM3", index=0, memory_mib=81559, compute_capability="9.0")
+    monkeypatch.setattr(eng, "vllm_build", lambda: "cuda")
+    monkeypatch.setattr(gpus, "describe_gpus", lambda *a, **k: [h100])
+    monkeypatch.setattr(eng, "make_llm", lambda cfg: pytest.fail("the engine was started"))
+    with pytest.raises(WrongGpus, match=r"sees 1 GPU\(s\) \(NVIDIA H100 80GB HBM3.*tensor_parallel_size × .* = 2"):
+        run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json")
+    log = (tmp_path / "out" / "checkpoints" / "00000" / "attempts.jsonl").read_text().splitlines()
+    assert [json.loads(line).get("outcome") for line in log] == [None, "wrong_gpus"]

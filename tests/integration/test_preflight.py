@@ -58,6 +58,22 @@ def test_null_ids_are_named_with_the_first_row(tmp_path, capsys, model_dir):
     assert rc == 2 and "input.id_column: 'id' has 2 null value(s), the first at row 2" in err
 
 
+def test_every_problem_is_listed_at_once(tmp_path, capsys, model_dir):
+    rows = make_rows(40)
+    rows[7]["id"] = rows[3]["id"]
+    rc, err = preflight(tmp_path, capsys, rows, id_column="id", model={"quantization": "fp8", "max_model_len": 10**6})
+    assert rc == 2 and "preflight found 3 problem(s); no generate job was submitted" in err
+    assert "input.id_column: 'id' is not unique" in err
+    assert "model.quantization: 'fp8' needs a CUDA GPU" in err
+    assert "model.max_model_len: 1000000 is more than the model's own context" in err
+
+
+def test_the_estimate_counts_every_sample_of_a_row(tmp_path, capsys, model_dir):
+    rc, _ = preflight(tmp_path, capsys, sampling={"temperature": 0.8, "max_tokens": 12, "n": 3})
+    assert rc == 0
+    assert json.loads((tmp_path / "report.json").read_text())["estimate"]["output_tokens_at_most"] == 40 * 12 * 3
+
+
 def test_fp8_weights_on_the_cpu_build_are_refused_before_any_job(tmp_path, capsys, model_dir):
     rc, err = preflight(tmp_path, capsys, model={"quantization": "fp8"})
     assert rc == 2 and "model.quantization: 'fp8' needs a CUDA GPU" in err and "CPU build" in err

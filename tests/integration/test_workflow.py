@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import TEST_MODEL_CFG, make_rows, write_parquet
-from tests.integration.workflow import run_workflow, slurm_available, workflow_config
+from tests.integration.workflow import dry_run_jobs, run_workflow, slurm_available, workflow_config
 
 pytestmark = pytest.mark.engine
 
@@ -107,6 +108,21 @@ def test_local_profile_runs_a_dataset_saved_with_save_to_disk_into_a_datasets_di
     r = run_workflow(tmp_path, config, "local")
     assert "rule generate_shard:" not in r.stdout + r.stderr
     assert [p.stat().st_mtime_ns for p in shard_files] == mtimes
+    # A dry run lists what a change would rerun: a change of what decides the text reruns the shard...
+    for key, value in [("prompt", {**config["prompt"], "template": "Who is {{ topic }}?"}),
+                       ("model", {**config["model"], "seed": 1}),
+                       ("sampling", {**config["sampling"], "max_tokens": 6})]:  # fmt: skip
+        assert dry_run_jobs(tmp_path, {**config, key: value}).get("generate_shard") == 1, key
+    # ...a change of the input plans again first (a dry run cannot see past the plan), and so does
+    # an input file changed in place...
+    assert "plan_shards" in dry_run_jobs(tmp_path, {**config, "input": {**config["input"], "id_column": "id"}})
+    arrow = next((tmp_path / "ds").glob("*.arrow"))
+    os.utime(arrow, ns=(arrow.stat().st_atime_ns, arrow.stat().st_mtime_ns + 10**9))
+    assert "plan_shards" in dry_run_jobs(tmp_path, config)
+    os.utime(arrow, ns=(arrow.stat().st_atime_ns, arrow.stat().st_mtime_ns - 10**9))
+    # ...and a change of output format merges again and generates nothing
+    jobs = dry_run_jobs(tmp_path, {**config, "output": {"format": "jsonl"}})
+    assert "merge_shards" in jobs and "generate_shard" not in jobs and "plan_shards" not in jobs, jobs
     # a change of sampling reruns every shard: now three seeded samples per row
     config["sampling"] = {"temperature": 0.8, "max_tokens": 5, "n": 3, "seed": 7}
     run_workflow(tmp_path, config, "local")

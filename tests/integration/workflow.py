@@ -83,6 +83,21 @@ def run_workflow(
     return r
 
 
+def dry_run_jobs(workdir: Path, config: dict[str, Any], profile: str = "local") -> dict[str, int]:
+    """The jobs ``snakemake -n`` lists for ``config``, by rule (from its "Job stats" table)."""
+    r = run_workflow(workdir, config, profile, "-n")
+    text = r.stdout + r.stderr
+    if "Nothing to be done" in text:
+        return {}
+    table = text.split("Job stats:", 1)[1].split("total", 1)[0]
+    jobs = {}
+    for line in table.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            jobs[parts[0]] = int(parts[1])
+    return jobs
+
+
 class Background:
     """A workflow run in the background, for tests that break it while it runs."""
 
@@ -117,11 +132,6 @@ class Background:
 
 
 def part_rows(checkpoint_dir: Path) -> int:
-    """Rows in the intact checkpoint parts of a shard."""
-    total = 0
-    for part in checkpoint_dir.glob("part-*.parquet"):
-        try:
-            total += pq.read_metadata(part).num_rows
-        except Exception:  # noqa: BLE001 - a part being written is not counted
-            continue
-    return total
+    """Rows in the checkpoint parts of a shard. Parts are written under a temporary name and renamed
+    whole, so a part that cannot be read is a failure of the atomic write, not a part in progress."""
+    return sum(pq.read_metadata(part).num_rows for part in checkpoint_dir.glob("part-[0-9]*.parquet"))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import yaml
 
@@ -26,3 +28,28 @@ def test_a_bad_config_is_one_line_naming_the_key_and_exit_status_2(tmp_path, cap
     assert err.startswith("shardgen: error: unknown key 'shard' (did you mean 'shards'?)")
     assert "Traceback" not in err
     assert not (tmp_path / "m.json").exists()
+
+
+def generate_args(tmp_path, parquet_files) -> list[str]:
+    config = base_config({"parquet": [str(f) for f in parquet_files]}, output={"dir": str(tmp_path / "out")})
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    main(["plan", "--config", str(tmp_path / "c.yaml"), "--manifest", str(tmp_path / "m.json")])
+    files = ["--config", tmp_path / "c.yaml", "--manifest", tmp_path / "m.json", "--shard", "00000"]
+    return ["generate", *map(str, files), "--output", str(tmp_path / "s.parquet"), "--stats", str(tmp_path / "s.json")]
+
+
+def test_the_hugging_face_token_is_gone_before_a_generate_job_runs_model_code(parquet_files, tmp_path, monkeypatch):
+    """The Slurm plugin exports the whole environment into every job; only fetch-model and push may use the token."""
+    import shardgen.generate
+
+    seen = {}
+
+    def run_shard(*args, **kwargs):
+        seen.update({k: os.environ.get(k) for k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")})
+        raise shardgen.generate.Interrupted(signal.SIGTERM, "00000")
+
+    monkeypatch.setenv("HF_TOKEN", "hf_ShardgenTestSecret0123456789abcdef")
+    monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", "hf_ShardgenTestSecret0123456789abcdef")
+    monkeypatch.setattr(shardgen.generate, "run_shard", run_shard)
+    assert main(generate_args(tmp_path, parquet_files)) == 3, "a stopped job exits non-zero (3)"
+    assert seen == {"HF_TOKEN": None, "HUGGING_FACE_HUB_TOKEN": None}

@@ -133,7 +133,7 @@ def test_model_extra_may_not_shadow_a_model_key():
 
 
 @pytest.mark.parametrize(("section", "key"), [("input.hf", "token"), ("model.extra", "hf_token")])
-def test_a_token_in_the_config_is_refused(section, key):
+def test_a_token_key_in_the_config_is_refused(section, key):
     c = minimal()
     if section == "input.hf":
         c["input"] = {"hf": {"path": "x", key: "hf_secret"}}
@@ -247,6 +247,102 @@ def test_a_max_tokens_that_could_cut_a_choice_label_is_refused_naming_the_label(
     cfg.validate(c)
 
 
+SECRET = "hf_ShardgenTestSecret0123456789abcdefXYZ"
+CREDENTIALS = {
+    "nested_token_key": (
+        {"model": {"model": "m", "speculative_config": {"method": "ngram", "hf_token": "abc"}}},
+        "'model.speculative_config.hf_token' would put a credential",
+    ),
+    "token_value_in_a_prompt": ({"prompt": {"template": "{{ text }}", "system": f"key {SECRET}"}}, "prompt.system"),
+    "password_in_a_data_files_url": (
+        {"input": {"hf": {"path": "parquet", "data_files": [f"https://me:{SECRET[3:]}@data.example/x.parquet"]}}},
+        r"input.hf.data_files\[0\]: the value looks like a password in a URL",
+    ),
+    "signed_url": (
+        {
+            "input": {
+                "hf": {"path": "parquet", "data_files": {"train": f"s3://b/x.parquet?X-Amz-Signature={SECRET[3:]}"}}
+            }
+        },
+        "input.hf.data_files.train: the value looks like a credential in a URL",
+    ),
+    "private_key_in_extra": (
+        {"model": {"model": "m", "extra": {"hf_overrides": {"k": "-----BEGIN RSA PRIVATE KEY-----\nMII"}}}},
+        "model.extra.hf_overrides.k: the value looks like a private key",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CREDENTIALS))
+def test_a_credential_anywhere_in_the_config_is_refused_by_its_key_path_never_quoted(case):
+    change, message = CREDENTIALS[case]
+    c = minimal() | change
+    with pytest.raises(ConfigError, match=message) as e:
+        cfg.validate(c)
+    assert SECRET not in str(e.value) and SECRET[3:] not in str(e.value)
+
+
+def test_a_schema_may_name_a_property_password_without_being_a_credential():
+    schema = {"type": "object", "properties": {"password": {"type": "string"}, "token": {"type": "string"}}}
+    cfg.validate(minimal() | {"sampling": {"structured_outputs": {"json": schema}}})
+
+
+UNSAFE_ARGS = {
+    "kv_events_publisher": (
+        {"extra": {"kv_events_config": {"enable_kv_cache_events": True}}},
+        "model.extra.kv_events_config",
+    ),
+    "traces_off_the_node": ({"extra": {"otlp_traces_endpoint": "http://collector:4317"}}, "otlp_traces_endpoint"),
+    "worker_class_by_name": ({"extra": {"worker_cls": "mypkg.Worker"}}, "model.extra.worker_cls: imports"),
+    "logits_processor_import": ({"extra": {"logits_processors": ["mod:Proc"]}}, "logits_processors"),
+    "reasoning_plugin_file": ({"extra": {"reasoning_parser_plugin": "/tmp/p.py"}}, "reasoning_parser_plugin"),
+    "compilation_pass_import": (
+        {"extra": {"compilation_config": {"inductor_passes": {"p": "this.s"}}}},
+        "model.extra.compilation_config.inductor_passes: imports code",
+    ),
+    "ray_executor": ({"extra": {"distributed_executor_backend": "ray"}}, "distributed_executor_backend: 'ray'"),
+    "custom_proposer": (
+        {"speculative_config": {"method": "custom_class", "model": "x"}},
+        "model.speculative_config: a custom proposer class",
+    ),
+    "dotted_proposer_model": ({"speculative_config": {"model": "my_pkg.MyProposer"}}, "custom proposer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNSAFE_ARGS))
+def test_engine_arguments_that_load_code_or_open_ports_are_refused_unless_allowed_and_then_named(case):
+    change, message = UNSAFE_ARGS[case]
+    c = minimal()
+    c["model"].update(copy.deepcopy(change))
+    with pytest.raises(ConfigError, match=rf"would load code by name or reach the network: .*{message}.*"
+                       "allow_unsafe_engine_args: true"):  # fmt: skip
+        cfg.validate(copy.deepcopy(c))
+    c["model"]["allow_unsafe_engine_args"] = True
+    assert any(re.search(message, w) for w in cfg.warnings(cfg.validate(c)))
+
+
+def test_everyday_engine_arguments_pass():
+    c = minimal()
+    c["model"]["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}
+    c["model"]["extra"] = {
+        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
+        "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4]},
+        "distributed_executor_backend": "mp",
+        "load_format": "safetensors",
+    }
+    assert not [w for w in cfg.warnings(cfg.validate(c)) if "allow_unsafe" in w]
+
+
+def test_the_unsafe_engine_argument_names_are_engine_arguments_of_the_installed_vllm():
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    named = set(cfg.UNSAFE_ENGINE_ARGS) | set(cfg._SAFE_VALUES) | set(cfg._UNSAFE_SUBKEYS)
+    assert named - fields == set(), "every name must be a field of vLLM's EngineArgs"
+
+
 def test_structured_outputs_take_exactly_one_kind():
     c = minimal() | {"sampling": {"structured_outputs": {"choice": ["a", "b"], "regex": "a|b"}}}
     with pytest.raises(ConfigError, match="sampling.structured_outputs"):
@@ -271,6 +367,46 @@ def test_a_broken_json_schema_names_the_key(tmp_path):
     missing = minimal() | {"sampling": {"structured_outputs": {"json": str(tmp_path / "nope.json")}}}
     with pytest.raises(ConfigError, match="cannot read sampling.structured_outputs.json: the schema file"):
         cfg.validate(missing)
+
+
+def test_a_file_that_is_not_a_json_schema_is_refused_before_its_content_reaches_the_config(tmp_path):
+    """The reproduction: a kubeconfig given as the schema."""
+    kubeconfig = tmp_path / "kubeconfig.yaml"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\nclusters: []\nusers:\n- name: me\n  user: {client-key-data: LS0tQ}\n"
+    )
+    c = minimal() | {"sampling": {"structured_outputs": {"json": str(kubeconfig)}}}
+    with pytest.raises(ConfigError, match=r"does not hold a JSON Schema \(keys that are not JSON Schema keywords: "
+                       r"apiVersion, clusters, kind, users\)") as e:  # fmt: skip
+        cfg.validate(c)
+    assert "LS0tQ" not in str(e.value)
+    notes = tmp_path / "schema.txt"
+    notes.write_text('{"type": "object"}')
+    with pytest.raises(ConfigError, match=r"is not a JSON Schema file; give a .json, .yaml or .yml file"):
+        cfg.validate(minimal() | {"sampling": {"structured_outputs": {"json": str(notes)}}})
+
+
+def test_provenance_shows_a_json_schema_by_its_digest_not_its_content():
+    schema = {"type": "object", "properties": {"secret_field_name": {"type": "string"}}}
+    c = cfg.validate(minimal() | {"sampling": {"structured_outputs": {"json": schema}, "max_tokens": 9}})
+    published = cfg.published_sampling(c["sampling"])
+    assert published["structured_outputs"] == {"json": {"digest": cfg.digest(schema)}}
+    assert published["max_tokens"] == 9 and "secret_field_name" not in str(published)
+
+
+def test_a_runs_config_file_is_named_by_its_content_and_a_changed_one_is_refused(tmp_path):
+    a = cfg.validate(minimal())
+    b = cfg.validate(minimal() | {"sampling": {"max_tokens": 9}})
+    path_a, path_b = cfg.write_resolved(a, tmp_path), cfg.write_resolved(b, tmp_path)
+    assert path_a != path_b, "a second config (a dry run of it, say) gets its own file"
+    assert cfg.write_resolved(a, tmp_path) == path_a and cfg.load(path_a) == a
+    with open(path_a, "a") as f:
+        f.write(" ")  # the same content: still valid
+    assert cfg.load(path_a) == a
+    text = open(path_a).read().replace('"max_tokens": 256', '"max_tokens": 300')
+    open(path_a, "w").write(text)
+    with pytest.raises(ConfigError, match="was changed after the run wrote it"):
+        cfg.load(path_a)
 
 
 def test_the_submission_order_is_not_part_of_the_fingerprint_but_samples_are():

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from shardgen.engine import engine_kwargs, is_memory_error, lowered_memory_settings
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardgen import memory
+from shardgen.engine import engine_kwargs
 
 
 def test_engine_kwargs_drop_nulls_add_extra_and_turn_on_request_metrics():
@@ -10,34 +17,79 @@ def test_engine_kwargs_drop_nulls_add_extra_and_turn_on_request_metrics():
     assert kw == {"model": "m", "dtype": "auto", "swap_space": 2, "disable_log_stats": False}
 
 
-def test_memory_errors_are_recognised_from_vllm_and_torch_messages():
-    assert is_memory_error("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
-    assert is_memory_error(
-        "ValueError: To serve at least one request with the models's max seq len (4096), (0.5 GiB KV cache is "
-        "needed, which is larger than the available KV cache memory (0.2 GiB)."
-    )
-    assert not is_memory_error("FileNotFoundError: models/x/config.json")
+# vLLM 0.32.0's own messages (v1/core/kv_cache_utils.py _check_enough_kv_cache_memory, v1/worker/utils.py
+# request_memory, v1/worker/gpu_model_runner.py), as they reach a job's log.
+RECORDED = {
+    "kv_cache_too_small": [
+        "ValueError: To serve at least one request with the model's max seq len (1024), (0.04 GiB KV cache is "
+        "needed, which is larger than the available KV cache memory (0.01 GiB). Based on the available memory, "
+        "the estimated maximum model length is 256. Try increasing `gpu_memory_utilization` (which also controls "
+        "CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine.",
+        "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+        "initializing the engine (this flag also controls CPU memory reservation on the CPU backend).",
+    ],
+    "device_memory_short": [
+        "ValueError: Free memory on device cuda:0 (60.1/79.2 GiB) on startup is less than desired GPU memory "
+        "utilization (0.92, 72.9 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
+    ],
+    "out_of_memory": [
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79 GiB",
+        "RuntimeError: CUDA out of memory occurred when warming up sampler with 1024 dummy requests. Please try "
+        "lowering `max_num_seqs` or `gpu_memory_utilization` when initializing the engine.",
+    ],
+}
 
 
-def test_no_failure_changes_nothing():
-    assert lowered_memory_settings({"max_num_seqs": 64}, 0) == {}
+def test_each_kind_of_memory_failure_is_told_apart_from_vllms_own_messages():
+    for kind, messages in RECORDED.items():
+        for message in messages:
+            assert memory.failure_kind(message) == kind, message
+    assert memory.failure_kind("FileNotFoundError: models/x/config.json") is None
 
 
-def test_each_memory_failure_halves_the_batch_and_frees_gpu_memory_and_turns_on_fp8_kv():
-    cfg = {"max_num_seqs": 64, "gpu_memory_utilization": 0.9, "kv_cache_dtype": "auto"}
-    assert lowered_memory_settings(cfg, 1) == {
-        "max_num_seqs": 32,
-        "gpu_memory_utilization": 0.85,
-        "kv_cache_dtype": "fp8",
-    }
-    assert lowered_memory_settings(cfg, 2)["max_num_seqs"] == 16
+def test_a_kv_cache_too_small_for_one_sequence_gets_more_memory_not_less():
+    used = {"max_num_seqs": 1024, "gpu_memory_utilization": 0.92, "kv_cache_memory_bytes": None}
+    assert memory.next_settings("kv_cache_too_small", used) == {"gpu_memory_utilization": 0.97}
+    higher = {**used, "gpu_memory_utilization": 0.97}
+    assert memory.next_settings("kv_cache_too_small", higher) == {"gpu_memory_utilization": 0.98}
+    set_bytes = {**used, "kv_cache_memory_bytes": 32 * 2**20}
+    assert memory.next_settings("kv_cache_too_small", set_bytes) == {"kv_cache_memory_bytes": 64 * 2**20}
 
 
-def test_a_chosen_kv_cache_dtype_is_kept_and_defaults_are_lowered_from_vllms():
-    low = lowered_memory_settings({"kv_cache_dtype": "fp8_e5m2"}, 1)
-    assert "kv_cache_dtype" not in low
-    assert low["max_num_seqs"] == 128  # vLLM's default 256, halved
-    assert lowered_memory_settings({}, 20)["gpu_memory_utilization"] == 0.5
+def test_out_of_memory_halves_the_batch_the_engine_used_and_leaves_more_room_outside_the_cache():
+    # an H100's offline default is 1024 sequences: the first retry runs 512, not 128
+    used = {"max_num_seqs": 1024, "gpu_memory_utilization": 0.92, "kv_cache_memory_bytes": None}
+    assert memory.next_settings("out_of_memory", used) == {"max_num_seqs": 512, "gpu_memory_utilization": 0.87}
+    assert memory.next_settings("device_memory_short", used) == {"gpu_memory_utilization": 0.87}
+    low = {"max_num_seqs": 1, "gpu_memory_utilization": 0.5}
+    assert memory.next_settings("out_of_memory", low) == {"max_num_seqs": 1, "gpu_memory_utilization": 0.5}
+
+
+def test_retries_step_from_what_the_last_failed_attempt_used():
+    first = {"kind": "kv_cache_too_small", "settings": {"max_num_seqs": 256, "gpu_memory_utilization": 0.9}}
+    second = {"kind": "out_of_memory", "settings": {"max_num_seqs": 256, "gpu_memory_utilization": 0.95}}
+    assert memory.overrides([]) == {}
+    assert memory.overrides([first]) == {"gpu_memory_utilization": 0.95}
+    assert memory.overrides([first, second]) == {"gpu_memory_utilization": 0.9, "max_num_seqs": 128}
+
+
+@pytest.mark.parametrize(
+    ("name", "mib", "seqs"),
+    [
+        ("NVIDIA H100 80GB HBM3", 81559, 1024),
+        ("NVIDIA H200", 143771, 1024),
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", 97887, 1024),
+        ("NVIDIA A100-SXM4-80GB", 81920, 256),
+        ("NVIDIA L40S", 46068, 256),
+    ],
+)
+def test_vllms_own_default_batch_for_each_gpu_is_what_a_retry_starts_from(name, mib, seqs):
+    """vLLM's EngineArgs.get_batch_defaults, asked about the job's GPU on the CPU build."""
+    gpu = {"name": name, "memory_mib": mib}
+    defaults = memory.vllm_defaults([gpu], 1)
+    assert defaults == {"max_num_seqs": seqs, "gpu_memory_utilization": 0.92}
+    used = memory.used_settings({"max_num_seqs": None, "gpu_memory_utilization": None}, defaults)
+    assert used["max_num_seqs"] == seqs and used["kv_cache_memory_bytes"] is None
 
 
 def test_a_rows_seed_depends_on_the_run_seed_and_the_row_id_only():
@@ -46,3 +98,23 @@ def test_a_rows_seed_depends_on_the_run_seed_and_the_row_id_only():
     assert row_seed(1, "r00001") == row_seed(1, "r00001")
     assert row_seed(1, "r00001") != row_seed(2, "r00001") != row_seed(1, "r00002")
     assert 0 <= row_seed(123, 10**9) < 2**62
+
+
+# row_seed(7, "r00001"), row_seed(7, 12), row_seed(0, "r00001"), as blake2b gives them: any process, any machine.
+EXPECTED_SEEDS = ["1354073146287614557", "3682996439558678303", "2094624078275236626"]
+
+
+def test_row_seeds_are_fixed_values_whatever_the_process_and_its_hash_seed():
+    """Seeds must not come from Python's per-process hash(): the same fixed values in fresh processes."""
+    code = "from shardgen.engine import row_seed; print(row_seed(7, 'r00001'), row_seed(7, 12), row_seed(0, 'r00001'))"
+    results = [
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        for seed in ("1", "2")
+    ]
+    assert results[0] == results[1] == EXPECTED_SEEDS

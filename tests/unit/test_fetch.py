@@ -226,13 +226,18 @@ def test_a_separate_tokenizer_is_resolved_too_and_one_equal_to_the_model_is_not(
 # -- What jobs get ---------------------------------------------------------------------------------
 
 
-def test_jobs_get_the_local_snapshot_and_an_offline_environment(hf_cache, network_attempts):
+def test_jobs_get_the_local_snapshot_and_an_offline_environment_without_usage_reports(hf_cache, network_attempts):
     record = resolve_model(cfg(hf_cache, revision="main", tokenizer=None), allow_download=False)
     args = engine_model_args(record)
     assert args["model"] == model_path(record) == record["path"]
     assert args["revision"] is None  # the snapshot is one commit; nothing to resolve on the hub
     assert "tokenizer" not in args
-    assert job_environment(record) == {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    assert job_environment(record) == {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",  # vLLM's rank-0 worker would post usage data to stats.vllm.ai
+        "DO_NOT_TRACK": "1",
+    }
 
 
 # -- The token -------------------------------------------------------------------------------------

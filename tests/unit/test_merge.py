@@ -8,6 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from shardgen.config import content_fingerprint
 from shardgen.errors import MergeError
 from shardgen.merge import merge as merge_files
 from shardgen.outputs import PROVENANCE_KEY, output_schema
@@ -39,8 +40,10 @@ def merge(*args, **output):
     return merge_files(config(**output), *args)
 
 
-def write_shard(shard_dir, shard_id, indexes, config_fp="cfg", samples=1):
+def write_shard(shard_dir, shard_id, indexes, config_fp=None, samples=1):
+    """A shard file as a generate job writes it, made with ``config()`` unless ``config_fp`` says otherwise."""
     shard_dir.mkdir(parents=True, exist_ok=True)
+    config_fp = config_fp or content_fingerprint(config())
     spec = ResultSpec({"n": samples}, {"samples": "rows"})
     schema = output_schema(INPUT, f"fp-{shard_id}", config_fp, shard_id, spec.fields(), spec.rows_per_input)
     rows = [
@@ -114,6 +117,17 @@ def test_merge_refuses_a_missing_shard(tmp_path):
         merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "out.parquet", tmp_path / "stats.json")
 
 
+def test_merge_refuses_shards_that_another_config_made_even_when_they_agree(tmp_path):
+    """Run A's shards under run B's config: every shard agrees with the others, none with the run."""
+    for shard_id, a, b in PLAN:
+        write_shard(tmp_path / "shards", shard_id, range(a, b), config_fp="run-a")
+    with pytest.raises(
+        MergeError, match=r"another configuration \(run-a\) than this run's .*shards 00000, 00001, 00002"
+    ):
+        merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "out.parquet", tmp_path / "stats.json")
+    assert not (tmp_path / "out.parquet").exists()
+
+
 def test_merge_refuses_shards_of_mixed_configurations(tmp_path):
     complete(tmp_path)
     write_shard(tmp_path / "shards", "00001", range(4, 8), config_fp="other")
@@ -139,21 +153,22 @@ def test_each_output_format_loads_back_with_its_provenance(tmp_path):
 
     complete(tmp_path)
     plan = write_plan(tmp_path)
+    fp = content_fingerprint(config())
     merge(plan, tmp_path / "shards", tmp_path / "out.parquet", tmp_path / "s1.json")
     meta = pq.read_schema(tmp_path / "out.parquet").metadata
     prov = json.loads(meta[PROVENANCE_KEY])
-    assert prov["config_fingerprint"] == "cfg" and prov["model"].endswith("SmolLM2-135M-Instruct")
+    assert prov["config_fingerprint"] == fp and prov["model"].endswith("SmolLM2-135M-Instruct")
 
     merge(plan, tmp_path / "shards", tmp_path / "out.jsonl", tmp_path / "s2.json", format="jsonl")
     lines = (tmp_path / "out.jsonl").read_text().splitlines()
     assert [json.loads(line)["row_index"] for line in lines] == list(range(10))
-    assert json.loads((tmp_path / "out.jsonl.provenance.json").read_text())["config_fingerprint"] == "cfg"
+    assert json.loads((tmp_path / "out.jsonl.provenance.json").read_text())["config_fingerprint"] == fp
     assert datasets.load_dataset("json", data_files=str(tmp_path / "out.jsonl"), split="train").num_rows == 10
 
     merge(plan, tmp_path / "shards", tmp_path / "out_hf", tmp_path / "s3.json", format="hf")
     ds = datasets.load_from_disk(str(tmp_path / "out_hf"))
     assert ds["row_index"] == list(range(10)) and ds[3]["text"] == "t3"
-    assert json.loads(ds.info.description)["shardgen_provenance"]["config_fingerprint"] == "cfg"
+    assert json.loads(ds.info.description)["shardgen_provenance"]["config_fingerprint"] == fp
 
 
 def test_push_to_hub_sends_the_merged_rows_with_the_token_from_the_environment_only(tmp_path, monkeypatch):

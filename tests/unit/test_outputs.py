@@ -91,3 +91,68 @@ def test_the_error_budget_fails_as_soon_as_the_final_rate_must_exceed_the_limit(
     with pytest.raises(TooManyErrors):
         ErrorBudget("00007", rows=20, max_rate=0.1, errors=3, first="row 1: x")
     ErrorBudget("00007", rows=20, max_rate=1.0, errors=20)  # 1 never fails
+
+
+def test_a_symlinked_checkpoint_directory_is_refused_and_nothing_in_its_target_is_touched(tmp_path):
+    """The reproduction: results/checkpoints linked to a directory holding a Spark part and notes."""
+    from shardgen.io import UnsafePath
+
+    results, other = tmp_path / "results", tmp_path / "spark-job"
+    (other / "00001").mkdir(parents=True)
+    spark = other / "00001" / "part-00000-1b2c-c000.snappy.parquet"
+    spark.write_bytes(b"PAR1 not ours PAR1")
+    (other / "00001" / "notes.txt").write_text("keep me")
+    results.mkdir()
+    (results / "checkpoints").symlink_to(other)
+    schema = output_schema(INPUT, "fp1", "cfg", "00001")
+    ck = ShardCheckpoint(results / "checkpoints" / "00001", 10, 20, schema, below=results)
+    with pytest.raises(UnsafePath, match="symlink"):
+        ck.resume()
+    assert spark.read_bytes() == b"PAR1 not ours PAR1" and (other / "00001" / "notes.txt").read_text() == "keep me"
+
+
+def test_files_shardgen_did_not_write_are_left_alone_through_resume_and_commit(tmp_path):
+    ck = checkpoint(tmp_path)
+    ck.flush(rows(range(10, 15)))
+    foreign = {
+        "part-00000-1b2c-c000.snappy.parquet": b"spark",  # Spark's naming: not shardgen's
+        "part-x.parquet": b"x",  # used to crash the job
+        "notes.txt": b"mine",
+    }
+    for name, data in foreign.items():
+        (tmp_path / "ck" / name).write_bytes(data)
+    # a part of another shard, with shardgen's exact name: not this shard's to take or remove
+    other = ShardCheckpoint(tmp_path / "elsewhere", 0, 10, output_schema(INPUT, "fp1", "cfg", "00000"))
+    other.flush(rows(range(0, 2)))
+    (tmp_path / "elsewhere" / "part-000000.parquet").rename(tmp_path / "ck" / "part-000007.parquet")
+    again = checkpoint(tmp_path)
+    assert again.resume() == set(range(10, 15))
+    assert sorted(again.foreign) == sorted([*foreign, "part-000007.parquet"])
+    again.flush(rows(range(15, 20)))
+    assert again.commit(tmp_path / "shard.parquet").num_rows == 10
+    left = {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir() if p.name in foreign}
+    assert left == foreign, "foreign files are kept as they were"
+    assert {p.name for p in (tmp_path / "ck").iterdir()} == {*foreign, "part-000007.parquet"}
+
+
+def test_a_part_that_cannot_be_reused_is_moved_aside_not_deleted(tmp_path):
+    checkpoint(tmp_path, fingerprint="old").flush(rows([10, 11]))
+    data = (tmp_path / "ck" / "part-000000.parquet").read_bytes()
+    again = checkpoint(tmp_path, fingerprint="new")
+    assert again.resume() == set()
+    (moved,) = (tmp_path / "ck" / "discarded").iterdir()
+    assert moved.name.endswith("-part-000000.parquet") and moved.read_bytes() == data
+    assert "moved to discarded/" in again.discarded[0]
+
+
+def test_each_attempt_is_recorded_with_how_it_ended(tmp_path):
+    ck = checkpoint(tmp_path)
+    ck.log_attempt({"event": "start", "attempt": 1, "host": "n1"})
+    ck.log_attempt({"event": "end", "outcome": "interrupted", "signal": "SIGTERM", "rows_saved": 4})
+    ck.log_attempt({"event": "start", "attempt": 2, "host": "n2"})  # killed without a word
+    ck.log_attempt({"event": "start", "attempt": 3, "host": "n3"})
+    assert checkpoint(tmp_path).attempts() == [
+        {"attempt": 1, "host": "n1", "outcome": "interrupted", "signal": "SIGTERM", "rows_saved": 4},
+        {"attempt": 2, "host": "n2", "outcome": None},
+        {"attempt": 3, "host": "n3", "outcome": None},
+    ]

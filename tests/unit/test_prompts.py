@@ -189,3 +189,72 @@ def test_few_shot_and_messages_need_chat_mode():
         PromptRenderer("{{ x }}", chat=False, few_shot=[{"role": "user", "content": "a"}])
     with pytest.raises(ConfigError, match=r"prompt.messages_column needs chat mode"):
         PromptRenderer(None, chat=False, messages_column="chat")
+
+
+# Templates that would exhaust the login node or a job: each is refused, at compile time or for
+# the row, instead of being computed (before the bounds, the first took 13.6 s to compile and the
+# second 436 MiB).
+HOSTILE_TEMPLATES = {
+    "huge_power": "{{ 3**(2*10**7) }}",
+    "huge_repetition": "{{ 'a'*10**8 }}",
+    "center_filter": "{{ text|center(10**8) }}",
+    "ljust_method": "{{ text.ljust(10**8) }}",
+    "percent_width": "{{ '%099999999d' % 1 }}",
+    "format_width": "{{ '{:>99999999}'.format(1) }}",
+    "replace_blowup": "{{ (text * 1000)|replace('a', 'b' * 100000) }}",
+    "nested_ranges": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x",
+    "doubling_in_a_namespace": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "doubling_by_assignments": "{% set s = text %}" + "{% set s = s ~ s %}" * 40 + "{{ s|length }}",
+    "list_repetition": "{{ (range(10)|list) * 10**8 }}",
+    "slice_filter": "{{ [1]|slice(10**8)|list|length }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
+def test_a_template_that_would_build_something_huge_is_refused_not_computed(name):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        renderer = PromptRenderer(HOSTILE_TEMPLATES[name], chat=False)
+        with pytest.raises(RowError, match="template_error: template: .*bounded in size and time"):
+            renderer.render({"text": "abcdefgh"})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MiB allocated before the refusal"
+
+
+def test_a_recursive_macro_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"prompt.template: the macro\(s\) f call themselves"):
+        PromptRenderer("{% macro f(s, n) %}{{ f(s ~ s, n - 1) if n else s }}{% endmacro %}{{ f(text, 40) }}")
+
+
+def test_a_render_that_runs_too_long_is_stopped_at_its_deadline(monkeypatch):
+    import shardgen.sandbox
+
+    monkeypatch.setattr(shardgen.sandbox, "RENDER_SECONDS", 0.2)
+    # loops over the row's own data with nothing inside: no call, no output, only the alarm stops it
+    template = "{% for a in xs %}{% for b in xs %}{% for c in xs %}{% endfor %}{% endfor %}{% endfor %}x"
+    with pytest.raises(RowError, match=r"rendering took more than 0.2 s"):
+        PromptRenderer(template, chat=False).render({"xs": list(range(2000))})
+
+
+def test_a_compile_error_of_any_kind_is_a_config_error_not_a_traceback():
+    with pytest.raises(ConfigError, match="prompt.template"):
+        PromptRenderer("{{ x|no_such_filter }}")
+
+
+def test_a_rendered_prompt_longer_than_the_context_can_hold_is_a_row_error_before_tokenizing():
+    renderer = PromptRenderer("Summarize: {{ text }}", chat=False)
+    renderer.max_chars = 1000
+    with pytest.raises(RowError, match="prompt_too_long: the prompt has more than 1000 characters"):
+        renderer.render({"text": "x" * 995})
+    assert renderer.render({"text": "x" * 900}).endswith("x")
+    # a template may use a slice of a long cell: only what it renders counts
+    assert len(PromptRenderer("{{ text[:10] }}", chat=False).render({"text": "y" * 10**6})) == 10
+    messages = PromptRenderer(None, messages_column="m")
+    messages.max_chars = 50
+    with pytest.raises(RowError, match="prompt_too_long"):
+        messages.render({"m": [{"role": "user", "content": "z" * 60}]})

@@ -417,7 +417,7 @@ def finished_run(workdir: Path) -> Path:
         schema = output_schema(
             pq.read_schema(workdir / "data" / "part-0.parquet"),
             fingerprint="fp",
-            config_fingerprint="cfg",
+            config_fingerprint=cfg.content_fingerprint(resolved),
             shard_id=shard.id,
             result_fields=fields,
         )

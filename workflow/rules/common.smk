@@ -5,6 +5,8 @@ from pathlib import Path
 
 from shardgen import config as shardgen_config
 from shardgen.merge import output_path
+from shardgen.runlock import RunLock
+from shardgen.sources import input_signature
 from shardgen.stats import summary_text
 
 OUT = config["output"]["dir"]
@@ -15,12 +17,36 @@ MERGED = output_path(config)
 MODEL_RECORD = f"{PLAN_DIR}/model.json"
 # The validated config with defaults filled, which the shardgen commands
 # read: rules pass its path, never a config value. Written while the workflow
-# is parsed, and only when its content changes. (Not a rule's output: a rule
-# that reruns on every config change would, through Snakemake's masking of
-# downstream jobs, hide which shards a change of sampling must rerun.)
-CONFIG_JSON = shardgen_config.write_resolved(config, f"{PLAN_DIR}/config.json")
+# is parsed, named by the digest of its content (plan/configs/<digest>.json),
+# so a dry run or a second invocation with another config cannot change what
+# this run's jobs read. (Not a rule's output: a rule that reruns on every
+# config change would, through Snakemake's masking of downstream jobs, hide
+# which shards a change of sampling must rerun.)
+CONFIG_JSON = shardgen_config.write_resolved(config, PLAN_DIR)
 GPUS = shardgen_config.gpus_per_job(config)
 PER_JOB = config["shards"]["per_job"]
+
+
+# Files the rules' commands create (logs included) get no permissions for
+# other users unless output.world_readable: the outputs carry the input's columns.
+if not config["output"]["world_readable"]:
+
+    shell.prefix("set -euo pipefail; umask o=; ")
+
+
+def run_config(wildcards, output):
+    """The run's config file, for a rule's params. A function of the output only so that Snakemake
+    does not record it as a parameter: its name changes with every setting, and only the settings a
+    rule's own params name (the content fingerprint) may rerun its jobs."""
+    return CONFIG_JSON
+
+
+def lock_output_dir():
+    """Hold output.dir for this run (onstart); refuses when another run holds it."""
+    global RUN_LOCK
+    RUN_LOCK = RunLock.acquire(
+        OUT, Path.cwd(), shardgen_config.content_fingerprint(config)
+    )
 
 
 wildcard_constraints:
@@ -51,12 +77,11 @@ def all_shard_outputs(wildcards):
 
 
 def shards_of(wildcards):
-    """The shard ids a generate job runs (digits only: safe on a command line)."""
-    return (
-        " ".join(job_shards()[wildcards.job])
-        if "job" in wildcards.keys()
-        else wildcards.shard
+    """The shard ids a generate job runs, each quoted for the shell (they are digits anyway)."""
+    ids = (
+        job_shards()[wildcards.job] if "job" in wildcards.keys() else [wildcards.shard]
     )
+    return " ".join(shlex.quote(i) for i in ids)
 
 
 def generate_outputs(wildcards, output):

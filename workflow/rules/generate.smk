@@ -27,7 +27,7 @@ rule generate_shard:
         runtime=generate_runtime,
         slurm_extra=slurm_signal,
     params:
-        config=CONFIG_JSON,
+        config=run_config,
         # a parameter, not an input: fetching again (a new download_dir) reruns no shard
         model_record=MODEL_RECORD,
         # rerun when anything that decides the generated text changes

@@ -15,7 +15,7 @@ rule merge_shards:
     conda:
         "../envs/light.yaml"
     params:
-        config=CONFIG_JSON,
+        config=run_config,
         shard_dir=SHARD_DIR,
     shell:
         "shardgen merge --config {params.config:q} --manifest {input.manifest:q} --shard-dir {params.shard_dir:q}"
@@ -34,7 +34,7 @@ rule push_to_hub:
     conda:
         "../envs/light.yaml"
     params:
-        config=CONFIG_JSON,
+        config=run_config,
     shell:
         "shardgen push --config {params.config:q} --dataset {input.dataset:q} --record {output.record:q}"
         " > {log:q} 2>&1"

@@ -11,9 +11,11 @@ checkpoint plan_shards:
     conda:
         "../envs/light.yaml"
     params:
-        config=CONFIG_JSON,
-        # replanned when the input or the sharding changes
-        plan=shardgen_config.digest([config["input"], config["shards"]]),
+        config=run_config,
+        # replanned when the input (its config, or a file of it) or the sharding changes
+        plan=shardgen_config.digest(
+            [config["input"], config["shards"], input_signature(config["input"])]
+        ),
     shell:
         "shardgen plan --config {params.config:q} --manifest {output.manifest:q} 2>&1 | tee {log:q}"
 
@@ -29,7 +31,7 @@ rule fetch_model:
     conda:
         "../envs/light.yaml"
     params:
-        config=CONFIG_JSON,
+        config=run_config,
         # fetched again when the model changes (which reruns every shard anyway)
         model=shardgen_config.digest(
             {k: config["model"].get(k) for k in ("model", "revision", "tokenizer")}

@@ -15,7 +15,7 @@ rule preflight:
     container:
         config["software"]["container"]
     params:
-        config=CONFIG_JSON,
+        config=run_config,
         # rechecked when what it checks changes (which reruns every shard anyway)
         checks=shardgen_config.content_fingerprint(config),
     shell:

@@ -1,0 +1,90 @@
+"""What a job knows about where it runs: the host, the Slurm job, its memory, its own log.
+
+Recorded in each attempt's entry of a shard's ``attempts.jsonl`` and in the
+shard's stats, so a user can tell which node and which Slurm job made which
+rows, how long Slurm gave it, and how long it waited in the queue.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import resource
+import socket
+import subprocess
+from typing import Any
+
+# Slurm's environment variables a job records, by the name stats use.
+SLURM_ENV = {
+    "job_id": "SLURM_JOB_ID",
+    "array_task_id": "SLURM_ARRAY_TASK_ID",
+    "restart_count": "SLURM_RESTART_COUNT",
+    "partition": "SLURM_JOB_PARTITION",
+    "nodelist": "SLURM_JOB_NODELIST",
+    "gpus_on_node": "SLURM_GPUS_ON_NODE",
+}
+
+
+def host() -> str:
+    return socket.gethostname()
+
+
+def slurm_info() -> dict[str, Any]:
+    """The Slurm job this process runs in (empty outside Slurm), with its queue times and time limit."""
+    info: dict[str, Any] = {k: os.environ[v] for k, v in SLURM_ENV.items() if v in os.environ}
+    if "job_id" in info:
+        info.update(slurm_times(info["job_id"]))
+    return info
+
+
+def slurm_times(job_id: str) -> dict[str, Any]:
+    """When Slurm queued and started this job, the wait between, and its time limit (from ``scontrol``;
+    empty if unavailable)."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    try:
+        submit = datetime.datetime.fromisoformat(fields["SubmitTime"])
+        start = datetime.datetime.fromisoformat(fields["StartTime"])
+    except (KeyError, ValueError):
+        return {}
+    return {
+        "submit_time": fields["SubmitTime"],
+        "start_time": fields["StartTime"],
+        "queue_wait_seconds": (start - submit).total_seconds(),
+        "time_limit": fields.get("TimeLimit"),
+    }
+
+
+def peak_rss_mib() -> float:
+    """The largest resident memory of this process and of its finished children (the engine's), in MiB."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return round(max(own, children) / 1024, 1)
+
+
+def own_log_size() -> int:
+    """How much this process's stderr holds now, when it is a file (the job's log); else 0."""
+    try:
+        return os.fstat(2).st_size if os.path.isfile(os.readlink("/proc/self/fd/2")) else 0
+    except OSError:
+        return 0
+
+
+def own_log_tail(limit: int = 200_000, since: int = 0) -> str:
+    """The end of this process's stderr when it is a file (the job's log), from offset ``since`` on.
+
+    vLLM's engine core runs in a child process that writes the real cause of
+    a failed start there; the parent only sees "initialization failed".
+    """
+    try:
+        path = os.readlink("/proc/self/fd/2")
+        with open(path, "rb") as f:
+            f.seek(max(since, os.fstat(f.fileno()).st_size - limit))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
