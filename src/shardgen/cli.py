@@ -16,6 +16,10 @@ from shardgen import config as cfg
 from shardgen.errors import ShardgenError
 
 
+def _ids(text: str) -> list[str]:
+    return [i for i in text.split(",") if i]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardgen", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -33,7 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="run vLLM over one shard, or several with one engine start")
     gen.add_argument("--config", required=True)
     gen.add_argument("--manifest", required=True)
-    gen.add_argument("--shard", required=True, nargs="+", help="shard id(s), as in the manifest")
+    gen.add_argument(
+        "--shard", required=True, help="shard id, or several separated by commas (one engine start)", type=_ids
+    )
     gen.add_argument("--output", help="the shard's Parquet output (one shard)")
     gen.add_argument("--stats", help="the shard's stats JSON (one shard)")
     gen.add_argument("--shard-dir", help="where several shards' outputs and stats go")

@@ -177,3 +177,5 @@ def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_tok
     assert (out / "logs" / "generate_shards" / "00000.log").exists()
     leaked = [str(p) for p in tmp_path.rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
     assert leaked == [], f"the HF token was written to {leaked}"
+    shared = [str(p) for p in out.rglob("*") if p.is_file() and p.stat().st_mode & 0o007]
+    assert shared == [], f"other users may read {shared} (output.world_readable is false)"

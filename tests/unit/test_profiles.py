@@ -507,3 +507,15 @@ def test_real_workflow_dry_run_passes_with_the_partition_on_the_command_line(tmp
     assert "This was a dry-run" in out
     assert job_counts(out) == {"plan_shards": 1, "merge_shards": 1, "plot_stats": 1, "all": 1}
     assert "slurm_partition=debug" in out
+
+
+def test_every_value_a_rule_puts_on_a_command_line_is_quoted():
+    """Rules pass only paths and ids, and each goes through Snakemake's :q (or shlex.quote in the
+    input function that builds it), so no value can become shell syntax."""
+    rules = (ROOT / "workflow" / "rules").glob("*.smk")
+    unquoted = []
+    for path in rules:
+        for field in re.findall(r"\{((?:params|input|output|log)[^}]*)\}", path.read_text()):
+            if not field.endswith(":q") and field != "params.outputs":  # generate_outputs quotes its own
+                unquoted.append(f"{path.name}: {{{field}}}")
+    assert unquoted == []

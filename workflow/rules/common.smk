@@ -77,11 +77,11 @@ def all_shard_outputs(wildcards):
 
 
 def shards_of(wildcards):
-    """The shard ids a generate job runs, each quoted for the shell (they are digits anyway)."""
+    """The shard ids a generate job runs, as one comma-separated argument (quoted by the rule)."""
     ids = (
         job_shards()[wildcards.job] if "job" in wildcards.keys() else [wildcards.shard]
     )
-    return " ".join(shlex.quote(i) for i in ids)
+    return ",".join(ids)
 
 
 def generate_outputs(wildcards, output):

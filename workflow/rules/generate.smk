@@ -37,7 +37,7 @@ rule generate_shard:
         outputs=generate_outputs,
     shell:
         "shardgen generate --config {params.config:q} --manifest {input.manifest:q}"
-        " --model-record {params.model_record:q} --shard {params.shards} {params.outputs}"
+        " --model-record {params.model_record:q} --shard {params.shards:q} {params.outputs}"
         " > {log:q} 2>&1"
 
 
