@@ -449,7 +449,7 @@ def merge_inputs(d: Path, work: Path, size: Size, paths: list[Path], n_files: in
         return d
     fresh_dir(d)
     config = cfg.validate(run_config(input_patterns(work / "data", paths, n_files), size.rows_per_shard, str(d)))
-    cfg.write_resolved(config, d / "config.json")
+    (d / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     write_manifest(config, d / "manifest.json")
     manifest = Manifest.load(d / "manifest.json")
     source = manifest.source()
