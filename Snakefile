@@ -6,6 +6,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
 
 from shardgen import config as shardgen_config
+from shardgen import trust
 from shardgen.profile import ProfileError, unset_resources_message
 
 min_version("9.0")
@@ -25,7 +26,7 @@ if not workflow.overwrite_configfiles:
 
 
 # A credential anywhere in the config stops the run before any message could quote it.
-shardgen_config.check_credentials(config)
+trust.check_credentials(config)
 try:
     validate(config, "workflow/schemas/config.schema.yaml")
 except WorkflowError:
@@ -35,6 +36,8 @@ except WorkflowError:
 shardgen_config.check_consistency(config)
 for warning in shardgen_config.warnings(config):
     logger.warning(f"shardgen: warning: {warning}")
+# The typed view of the validated config, for the package's functions.
+RUN = shardgen_config.RunConfig.from_dict(config)
 
 
 include: "workflow/rules/common.smk"
@@ -50,7 +53,7 @@ rule all:
     input:
         rules.merge_shards.output,
         rules.plot_stats.output,
-        rules.push_to_hub.output if config["output"]["push_to_hub"] else [],
+        rules.push_to_hub.output if RUN.output.push_to_hub else [],
 
 
 # One run per output directory: taken before the first job, never by a dry

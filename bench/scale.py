@@ -57,11 +57,12 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from shardgen import config as cfg  # noqa: E402
 from shardgen.engine import engine_kwargs  # noqa: E402
-from shardgen.generate import _Counters, _shard_stats, shard_fingerprint  # noqa: E402
+from shardgen.generate import shard_fingerprint  # noqa: E402
 from shardgen.io import atomic_write_text  # noqa: E402
-from shardgen.outputs import output_schema, write_table  # noqa: E402
+from shardgen.outputs import write_table  # noqa: E402
 from shardgen.plan import Manifest, write_manifest  # noqa: E402
 from shardgen.results import ResultSpec  # noqa: E402
+from shardgen.stats import AttemptCounters, shard_stats  # noqa: E402
 
 # The commands of the environment this script runs in (shardgen, snakemake).
 BIN = Path(sys.executable).parent
@@ -358,20 +359,11 @@ def generation_pool(n: int = 4096, seed: int = 0) -> pa.Array:
     return pa.array(texts)
 
 
-def shard_schema(config, manifest: Manifest, shard, source) -> tuple[pa.Schema, str, str]:
+def shard_schema(config: cfg.RunConfig, manifest: Manifest, shard, source) -> tuple[pa.Schema, str, str]:
     """The output schema and fingerprints of a shard, as the generate job makes them."""
-    spec = ResultSpec(config["sampling"], config["output"])
     fingerprint = shard_fingerprint(config, manifest, shard)
-    config_fp = cfg.content_fingerprint(config)
-    schema = output_schema(
-        source.schema,
-        fingerprint=fingerprint,
-        config_fingerprint=config_fp,
-        shard_id=shard.id,
-        result_fields=spec.fields(),
-        rows_per_input=spec.rows_per_input,
-    )
-    return schema, fingerprint, config_fp
+    schema = ResultSpec.of(config).schema(source.schema, fingerprint, config.fingerprint, shard.id)
+    return schema, fingerprint, config.fingerprint
 
 
 def committed_shard(config, manifest: Manifest, shard, source, pool: pa.Array, out: Path, rng) -> int:
@@ -400,16 +392,17 @@ def committed_shard(config, manifest: Manifest, shard, source, pool: pa.Array, o
     out_table = pa.Table.from_arrays(columns, schema=schema)
     write_table(out_table, out / f"{shard.id}.parquet")
 
-    c = _Counters(
+    c = AttemptCounters(
+        rows=n,
+        requests=n,
         prompt_tokens=int(pc.sum(results["prompt_tokens"]).as_py()),
         cached_tokens=int(pc.sum(results["prompt_tokens"]).as_py()) // 2,
         generated_tokens=int(pc.sum(results["generated_tokens"]).as_py()),
-        requests=n,
     )
     for t in rng.lognormal(-1.0, 1.0, 300):  # latency histograms of a realistic width
         c.ttft.add(float(t))
         c.latency.add(float(t) * 4)
-    stats = _shard_stats(config, shard, out_table, 0, c, 50.0, 600.0, 660.0)
+    stats = shard_stats(shard, out_table, 0, c, 50.0, 600.0, 660.0, config.model.gpus)
     # what a real job adds (engine, GPUs, Slurm, ...), so that each shard's stats weigh what they would
     slurm = {"job_id": str(10_000 + int(shard.id)), "node": "gpu-node-017", "partition": "gpu", "attempt": 1}
     stats.update(
@@ -417,20 +410,19 @@ def committed_shard(config, manifest: Manifest, shard, source, pool: pa.Array, o
         config_fingerprint=config_fp,
         feed={"steps": 4100, "max_in_flight": 256, "steps_short": 3, "window": 256, "order": "prefix"},
         checkpoints_discarded=[],
-        engine={"vllm_version": "0.32.0", "args": engine_kwargs(config["model"])},
+        engine={"vllm_version": "0.32.0", "args": engine_kwargs(config.model)},
         memory_failures=[],
         memory_overrides={},
-        gpus=[{"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559}],
+        gpu_devices=[{"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559, "compute_capability": "9.0"}],
         gpu_model="NVIDIA H100 80GB HBM3",
-        precision={"dtype": "bfloat16", "kv_cache_dtype": "auto", "quantization": None},
-        model_source={"source": "local", "path": config["model"]["model"], "revision": None, "commit": None},
+        precision={"quantization": "fp8_per_tensor", "kv_cache_dtype": "fp8", "reason": "native FP8"},
+        model_source={"source": "local", "path": config.model.name, "revision": None, "commit": None},
         peak_rss_mib=6144.0,
         host="gpu-node-017",
         slurm=slurm,
         queue_wait_seconds=12.0,
         cuda_visible_devices="0",
-        thread_env_removed=["OMP_NUM_THREADS", "MKL_NUM_THREADS"],
-        preemptions=0,
+        thread_env_removed={"OMP_NUM_THREADS": "8", "MKL_NUM_THREADS": "8"},
     )
     atomic_write_text(out / f"{shard.id}.stats.json", json.dumps(stats, indent=1, default=str) + "\n")
     return n
@@ -448,8 +440,10 @@ def merge_inputs(d: Path, work: Path, size: Size, paths: list[Path], n_files: in
     if spec_file.exists() and json.loads(spec_file.read_text()) == spec:
         return d
     fresh_dir(d)
-    config = cfg.validate(run_config(input_patterns(work / "data", paths, n_files), size.rows_per_shard, str(d)))
-    (d / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    config = cfg.RunConfig.from_dict(
+        run_config(input_patterns(work / "data", paths, n_files), size.rows_per_shard, str(d))
+    )
+    (d / "config.json").write_text(json.dumps(config.raw, indent=1) + "\n")
     write_manifest(config, d / "manifest.json")
     manifest = Manifest.load(d / "manifest.json")
     source = manifest.source()

@@ -45,16 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from shardgen import config as cfg  # noqa: E402
-from shardgen.engine import (  # noqa: E402
-    Tokenizer,
-    clear_thread_env,
-    make_llm,
-    make_sampling_params,
-    shutdown,
-    vllm_build,
-    vllm_version,
-)
+from shardgen.engine import Engine, EngineSettings, clear_thread_env, make_sampling_params  # noqa: E402
 from shardgen.generate import run_shard  # noqa: E402
+from shardgen.installed import vllm_build, vllm_version  # noqa: E402
 from shardgen.plan import write_manifest  # noqa: E402
 from shardgen.prompts import PromptRenderer  # noqa: E402
 
@@ -78,8 +71,8 @@ def model_config(kv_cache_mib: int) -> dict:
     }
 
 
-def shard_config(data: Path, out: Path, rows: int, max_tokens: int, prompt: dict, model: dict) -> dict:
-    return cfg.validate(
+def shard_config(data: Path, out: Path, rows: int, max_tokens: int, prompt: dict, model: dict) -> cfg.RunConfig:
+    return cfg.RunConfig.from_dict(
         {
             "input": {"parquet": [str(data)]},
             "shards": {"rows_per_shard": rows},
@@ -92,7 +85,9 @@ def shard_config(data: Path, out: Path, rows: int, max_tokens: int, prompt: dict
     )
 
 
-def plan(work: Path, name: str, rows: list[dict], max_tokens: int, prompt: dict, model: dict) -> tuple[dict, Path]:
+def plan(
+    work: Path, name: str, rows: list[dict], max_tokens: int, prompt: dict, model: dict
+) -> tuple[cfg.RunConfig, Path]:
     data = work / f"{name}.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
     config = shard_config(data, work / f"{name}-out", len(rows), max_tokens, prompt, model)
@@ -107,9 +102,9 @@ def raw_vllm(llm, token_ids: list[list[int]], params) -> tuple[float, int]:
     return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def shardgen_path(llm, config, manifest: Path, work: Path, tag: str) -> dict:
+def shardgen_path(engine: Engine, config, manifest: Path, work: Path, tag: str) -> dict:
     t = time.perf_counter()
-    stats = run_shard(config, manifest, "00000", work / f"{tag}.parquet", work / f"{tag}.json", llm=llm)
+    stats = run_shard(config, manifest, "00000", work / f"{tag}.parquet", work / f"{tag}.json", engine)
     stats["bench_seconds"] = time.perf_counter() - t
     return stats
 
@@ -124,14 +119,14 @@ def shared_prefix_max(token_ids: list[list[int]], block: int) -> float:
     return hits / sum(len(ids) for ids in token_ids)
 
 
-def overhead_and_caching(llm, model: dict, work: Path, args) -> dict:
+def overhead_and_caching(engine: Engine, model: dict, work: Path, args) -> dict:
+    llm = engine.llm
     rows = [{"n": i, "topic": TOPICS[i % len(TOPICS)]} for i in range(args.rows)]
     prompt = {"system": SYSTEM, "template": "Text {{ n }}: a note about {{ topic }}. Label it."}
     config, manifest = plan(work, "shared", rows, args.max_tokens, prompt, model)
-    params = make_sampling_params(config["sampling"])
-    renderer = PromptRenderer.from_config(config["prompt"])
-    tok = Tokenizer(llm.get_tokenizer(), llm.llm_engine.model_config.max_model_len)
-    token_ids = [tok.encode(renderer.render(r)) for r in rows]
+    params = make_sampling_params(config.sampling)
+    renderer = PromptRenderer.from_config(config.prompt)
+    token_ids = engine.tokenizer().encode_batch([renderer.render(r) for r in rows])
 
     raw_vllm(llm, token_ids, params)  # warm-up: caches, allocator, prefix cache
     runs: dict[str, list[float]] = {"raw": [], "shardgen": []}
@@ -139,7 +134,7 @@ def overhead_and_caching(llm, model: dict, work: Path, args) -> dict:
     for i in range(args.repeats):
         secs, toks = raw_vllm(llm, token_ids, params)
         runs["raw"].append(toks / secs)
-        stats = shardgen_path(llm, config, manifest, work, f"shared{i}")
+        stats = shardgen_path(engine, config, manifest, work, f"shared{i}")
         runs["shardgen"].append(stats["generated_tokens"] / stats["bench_seconds"])
 
     # prefix caching on and off, each from a cold cache
@@ -152,7 +147,7 @@ def overhead_and_caching(llm, model: dict, work: Path, args) -> dict:
             secs, toks = raw_vllm(llm, token_ids, p)
             caching[name].append(toks / secs)
     llm.reset_prefix_cache()
-    stats = shardgen_path(llm, config, manifest, work, "shared-cold")
+    stats = shardgen_path(engine, config, manifest, work, "shared-cold")
     hit_rates.append(stats["prefix_cache_hit_rate"])
     block = llm.llm_engine.vllm_config.cache_config.block_size
     best = shared_prefix_max(token_ids, block)
@@ -176,7 +171,7 @@ def overhead_and_caching(llm, model: dict, work: Path, args) -> dict:
     }
 
 
-def documents_and_questions(llm, model: dict, work: Path, args) -> dict:
+def documents_and_questions(engine: Engine, model: dict, work: Path, args) -> dict:
     rng = random.Random(5)
     docs = [f"Document {d}: " + " ".join(rng.choice(WORDS) for _ in range(300)) for d in range(args.docs)]
     rows = [{"doc": d, "q": q} for d in docs for q in range(args.questions)]
@@ -186,8 +181,8 @@ def documents_and_questions(llm, model: dict, work: Path, args) -> dict:
     for order in ("input", "prefix"):
         prompt = {"template": "{{ doc }}\n\nQuestion {{ q }}: what is the first word?", "chat": False, "order": order}
         config, manifest = plan(work, f"docs-{order}", rows, args.max_tokens, prompt, model)
-        llm.reset_prefix_cache()
-        stats = shardgen_path(llm, config, manifest, work, f"docs-{order}")
+        engine.llm.reset_prefix_cache()
+        stats = shardgen_path(engine, config, manifest, work, f"docs-{order}")
         texts[order] = pq.read_table(work / f"docs-{order}.parquet").column("generation").to_pylist()
         result[order] = {
             "output_tokens_per_s": round(stats["generated_tokens"] / stats["bench_seconds"], 2),
@@ -224,11 +219,12 @@ def main() -> None:
             ("order", documents_and_questions, args.order_kv_cache_mib),
         ):
             model = model_config(mib)
-            llm = make_llm(model)
+            engine = Engine()
+            engine.start(EngineSettings(model=model))
             try:
-                results[name] = measure(llm, model, work, args)
+                results[name] = measure(engine, model, work, args)
             finally:
-                shutdown(llm)
+                engine.close()
     result = {
         "what": "output tokens/s (median of the repeats); shardgen includes reading, rendering, tokenizing, "
         "checkpointing and writing the shard",

@@ -58,8 +58,8 @@ def parquet_files(tmp_path: Path) -> list[Path]:
     return files
 
 
-def base_config(inputs: dict[str, Any], **overrides: Any) -> dict[str, Any]:
-    """A validated config; ``overrides`` replace whole sections (``model`` is merged)."""
+def base_config(inputs: dict[str, Any], **overrides: Any) -> cfg.RunConfig:
+    """A run's config; ``overrides`` replace whole sections (``model`` is merged)."""
     config: dict[str, Any] = {
         "input": inputs,
         "shards": {"rows_per_shard": 8},
@@ -72,22 +72,51 @@ def base_config(inputs: dict[str, Any], **overrides: Any) -> dict[str, Any]:
             config["model"].update(value)
         else:
             config[key] = value
-    return cfg.validate(config)
+    return cfg.RunConfig.from_dict(config)
+
+
+def changed(config: cfg.RunConfig, section: str, **values: Any) -> cfg.RunConfig:
+    """``config`` with some keys of one section changed."""
+    raw = copy.deepcopy(dict(config.raw))
+    raw[section] = {**raw[section], **values}
+    return cfg.RunConfig.from_dict(raw)
 
 
 @pytest.fixture(scope="session")
-def llm(model_dir: Path):
-    """One real vLLM engine for every in-process engine test (a start costs about a minute).
+def engine(model_dir: Path):
+    """One real vLLM engine for every in-process engine test (a start costs about a minute), as the
+    handle a job's shards share: ``run_shard(..., engine=engine)`` uses it and leaves it running.
 
     Chunked prefill is off, as shardgen runs it for seeded sampling on the
-    CPU build (``generate.engine_settings``), so the seeded tests can share it.
+    CPU build (``EngineSettings.for_job``), so the seeded tests can share it.
     """
-    from shardgen.engine import clear_thread_env, make_llm, shutdown
+    from shardgen.engine import Engine, EngineSettings, clear_thread_env
 
     clear_thread_env()
-    engine = make_llm({**TEST_MODEL_CFG, "enable_chunked_prefill": False})
-    yield engine
-    shutdown(engine)
+    handle = Engine()
+    handle.start(EngineSettings(model={**TEST_MODEL_CFG, "enable_chunked_prefill": False}))
+    yield handle
+    handle.close()
+
+
+@pytest.fixture(scope="session")
+def llm(engine):
+    """The session engine's ``vllm.LLM``, for tests that look inside it."""
+    return engine.llm
+
+
+@pytest.fixture
+def slurm_cluster() -> None:
+    """The local Slurm cluster (``make slurm``): a test that needs it fails, never skips, without it."""
+    import shutil
+    import subprocess
+
+    up = False
+    if shutil.which("sinfo"):
+        r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
+        up = r.returncode == 0 and any(s in r.stdout for s in ("idle", "mix", "alloc"))
+    if not up:
+        pytest.fail("no Slurm cluster: run `make slurm` (scripts/slurm-up.sh) first")
 
 
 @pytest.fixture

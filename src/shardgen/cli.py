@@ -77,13 +77,13 @@ TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 _NO_TOKEN_COMMANDS = ("generate", "preflight")
 
 
-def _load(path: str) -> dict:
+def _load(path: str) -> cfg.RunConfig:
     """The command's config; from here on, files it creates are not readable by other users unless
     ``output.world_readable`` (``io.restrict_umask``)."""
     from shardgen.io import restrict_umask
 
-    config = cfg.load(path)
-    restrict_umask(config["output"]["world_readable"])
+    config = cfg.RunConfig.load(path)
+    restrict_umask(config.output.world_readable)
     return config
 
 

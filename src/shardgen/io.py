@@ -49,8 +49,9 @@ def current_umask() -> int:
 
 
 def restrict_umask(world_readable: bool) -> int:
-    """Once, at the start of a command: files shardgen (and the libraries it calls) create get no
-    permissions for other users unless ``world_readable``. Returns the umask now in force."""
+    """Once, at the start of a command (and of a workflow run, in its Snakefile): files that shardgen,
+    the libraries it calls and the commands it starts create get no permissions for other users unless
+    ``world_readable``. Returns the umask now in force."""
     mask = current_umask()
     if not world_readable:
         mask |= 0o007

@@ -61,28 +61,6 @@ def check_input_columns(
         raise InputError(f"input: the column(s) {clash} clash with the columns shardgen adds; rename them in the input")
 
 
-def output_schema(
-    input_schema: pa.Schema,
-    fingerprint: str,
-    config_fingerprint: str,
-    shard_id: str,
-    result_fields: list[pa.Field] | None = None,
-    rows_per_input: int = 1,
-) -> pa.Schema:
-    """The shard file's schema: the input's columns, then the result columns (by default those of one plain sample)."""
-    if result_fields is None:
-        from shardgen.results import ResultSpec
-
-        result_fields = ResultSpec({}, {}).fields()
-    meta = {
-        FINGERPRINT_KEY: fingerprint.encode(),
-        CONFIG_KEY: config_fingerprint.encode(),
-        SHARD_KEY: shard_id.encode(),
-        ROWS_PER_INPUT_KEY: str(rows_per_input).encode(),
-    }
-    return pa.schema(list(input_schema) + result_fields, metadata=meta)
-
-
 def rows_per_input(schema: pa.Schema) -> int:
     return int((schema.metadata or {}).get(ROWS_PER_INPUT_KEY, b"1"))
 

@@ -13,11 +13,14 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardgen.errors import InputError
 from shardgen.io import atomic_write_text
 from shardgen.sources import Segment, Source, open_source, source_from_manifest
+
+if TYPE_CHECKING:
+    from shardgen.config import RunConfig
 
 MANIFEST_VERSION = 1
 SHARD_ID = re.compile(r"[0-9]+")
@@ -54,8 +57,8 @@ def make_shards(source: Source, rows_per_shard: int) -> list[Shard]:
     return shards
 
 
-def build_manifest(config: dict[str, Any]) -> dict[str, Any]:
-    """The manifest for a validated config.
+def build_manifest(config: RunConfig) -> dict[str, Any]:
+    """The manifest for a run.
 
     Raises:
         InputError: the input cannot be read, or a column the run needs is
@@ -65,22 +68,22 @@ def build_manifest(config: dict[str, Any]) -> dict[str, Any]:
     from shardgen.prompts import PromptRenderer
     from shardgen.results import ResultSpec
 
-    source = open_source(config["input"])
-    renderer = PromptRenderer.from_config(config["prompt"])
-    result_columns = ResultSpec(config["sampling"], config["output"]).names
+    source = open_source(config.input)
+    renderer = PromptRenderer.from_config(config.prompt)
+    result_columns = ResultSpec.of(config).names
     prompt_key = "prompt.messages_column" if renderer.messages_column else "prompt.template"
-    check_input_columns(source.schema, renderer.columns, config["input"].get("id_column"), result_columns, prompt_key)
-    if source.num_rows == 0 and not config["input"]["allow_empty"]:
+    check_input_columns(source.schema, renderer.columns, config.input.id_column, result_columns, prompt_key)
+    if source.num_rows == 0 and not config.input.allow_empty:
         raise InputError(
             f"input: {source.describe()} has no rows; nothing to generate. "
             "Set input.allow_empty: true to end such runs cleanly with an empty output"
         )
-    shards = make_shards(source, config["shards"]["rows_per_shard"])
+    shards = make_shards(source, config.shards.rows_per_shard)
     return {
         "version": MANIFEST_VERSION,
         "source": source.to_manifest(),
         "total_rows": source.num_rows,
-        "rows_per_shard": config["shards"]["rows_per_shard"],
+        "rows_per_shard": config.shards.rows_per_shard,
         "shards": [
             {"id": s.id, "start": s.start, "stop": s.stop, "segments": [[g.file, g.start, g.stop] for g in s.segments]}
             for s in shards
@@ -119,7 +122,7 @@ class Manifest:
             raise InputError(f"manifest: no shard '{shard_id}' (the plan has {len(self.shards)})") from None
 
 
-def write_manifest(config: dict[str, Any], path: str | Path) -> dict[str, Any]:
+def write_manifest(config: RunConfig, path: str | Path) -> dict[str, Any]:
     manifest = build_manifest(config)
     atomic_write_text(path, json.dumps(manifest, indent=1) + "\n")
     return manifest

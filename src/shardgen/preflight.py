@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardgen import engine as eng
-from shardgen.config import engine_version, gpus_per_job, warnings
+from shardgen.config import RunConfig, engine_version, warnings
 from shardgen.errors import RowError, ShardgenError
 from shardgen.gpus import FP4_WEIGHT_FORMATS, FP8_WEIGHT_FORMATS, MXFP4_WEIGHT_FORMATS, checkpoint_quant_method
+from shardgen.installed import vllm_build
 from shardgen.io import atomic_write_text
 from shardgen.plan import Manifest
 from shardgen.prompts import PromptRenderer
@@ -54,7 +56,7 @@ def model_context_length(hf_config: dict[str, Any]) -> tuple[int, str] | None:
     return min(found) if found else None
 
 
-def check_precision(model_cfg: dict[str, Any], hf_config: dict[str, Any], build: str) -> list[str]:
+def check_precision(model_cfg: Mapping[str, Any], hf_config: dict[str, Any], build: str) -> list[str]:
     """Weight formats the installed vLLM build cannot run."""
     problems = []
     wanted = model_cfg.get("quantization")
@@ -74,7 +76,7 @@ def check_precision(model_cfg: dict[str, Any], hf_config: dict[str, Any], build:
     return problems
 
 
-def check_engine_keys(model_cfg: dict[str, Any]) -> list[str]:
+def check_engine_keys(model_cfg: Mapping[str, Any]) -> list[str]:
     """``model.extra`` keys that are not ``vllm.LLM`` engine arguments."""
     extra = model_cfg.get("extra") or {}
     if not extra:
@@ -138,7 +140,7 @@ def sample_rows(source: Any, manifest: Manifest, n: int) -> list[tuple[int, dict
     return rows[:n]
 
 
-def _load_tokenizer(model_cfg: dict[str, Any], record: dict[str, Any]):
+def _load_tokenizer(model_cfg: Mapping[str, Any], record: dict[str, Any]):
     from transformers import AutoTokenizer
 
     key = "tokenizer" if record.get("tokenizer") else "model"
@@ -151,25 +153,24 @@ def _load_tokenizer(model_cfg: dict[str, Any], record: dict[str, Any]):
         raise PreflightError(f"model.{key}: cannot load the tokenizer from '{where}': {type(e).__name__}: {e}") from e
 
 
-def check_sampling(config: dict[str, Any], tokenizer: Any, build: str) -> tuple[list[str], list[str]]:
+def check_sampling(config: RunConfig, tokenizer: Any, build: str) -> tuple[list[str], list[str]]:
     """Problems and notes of the sampling settings that need the tokenizer or the build."""
     from shardgen.results import choice_first_tokens
 
     problems, notes = [], []
-    sampling = config["sampling"]
-    choices = (sampling.get("structured_outputs") or {}).get("choice")
-    if config["output"]["choice_probs"] and choices:
+    choices = config.sampling.choices
+    if config.output.choice_probs and choices:
         try:
             choice_first_tokens(tokenizer, choices)
         except ShardgenError as e:
             problems.append(str(e))
-    kv = config["model"].get("kv_cache_dtype")
+    kv = config.model.get("kv_cache_dtype")
     if kv and kv.startswith("fp8") and not eng.fp8_kv_cache_supported(build):
         problems.append(
             f"model.kv_cache_dtype: '{kv}' on vLLM's CPU build needs a CPU with AVX-512 or AMX, and this one has "
             "neither; remove the key (or use auto, which picks FP8 only where it runs)"
         )
-    if sampling.get("seed") is not None and build == "cpu":
+    if config.sampling.seed is not None and build == "cpu":
         notes.append(
             "sampling.seed on vLLM's CPU build: jobs run with chunked prefill off (PyTorch's CPU generator cannot "
             "rewind the sample of a partly prefilled prompt); long prompts are prefilled in one step"
@@ -177,7 +178,7 @@ def check_sampling(config: dict[str, Any], tokenizer: Any, build: str) -> tuple[
     return problems, notes
 
 
-def run(config: dict[str, Any], manifest_path: str | Path, record: dict[str, Any] | None = None) -> dict[str, Any]:
+def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | None = None) -> dict[str, Any]:
     """Check the run; return the report.
 
     Args:
@@ -193,32 +194,32 @@ def run(config: dict[str, Any], manifest_path: str | Path, record: dict[str, Any
     manifest = Manifest.load(manifest_path)
     source = manifest.source()
     problems: list[str] = []
-    notes = list(warnings(config))
-    model_cfg, prompt_cfg, sampling = config["model"], config["prompt"], config["sampling"]
-    max_rate = config["errors"]["max_rate"]
+    notes = list(warnings(config.raw))
+    model_cfg, sampling = config.model, config.sampling
+    max_rate = config.errors.max_rate
 
     # The input: as planned, and ids that identify rows.
     source.check_unchanged()
-    if config["input"].get("id_column"):
-        problems += check_ids(source, manifest, config["input"]["id_column"])
+    if config.input.id_column:
+        problems += check_ids(source, manifest, config.input.id_column)
 
     # The model: local files, a tokenizer, a precision this build runs, a context that fits.
     record = record or resolve_model(model_cfg, allow_download=False)
     model_dir = Path(record["path"])
     hf_config = _hf_config(model_dir)
-    build = eng.vllm_build()
+    build = vllm_build()
     problems += check_precision(model_cfg, hf_config, build)
     problems += check_engine_keys(model_cfg)
     own = model_context_length(hf_config)
-    max_len = model_cfg.get("max_model_len") or (own[0] if own else None)
-    if own and model_cfg.get("max_model_len") and model_cfg["max_model_len"] > own[0]:
+    max_len = model_cfg.max_model_len or (own[0] if own else None)
+    if own and model_cfg.max_model_len and model_cfg.max_model_len > own[0]:
         problems.append(
             f"model.max_model_len: {model_cfg['max_model_len']} is more than the model's own context "
             f"({own[1]} = {own[0]} in {model_dir / 'config.json'}); vLLM refuses to start with it"
         )
-    if max_len is not None and sampling["max_tokens"] >= max_len:
+    if max_len is not None and sampling.max_tokens >= max_len:
         problems.append(
-            f"sampling.max_tokens ({sampling['max_tokens']}) leaves no room for a prompt in the model's "
+            f"sampling.max_tokens ({sampling.max_tokens}) leaves no room for a prompt in the model's "
             f"context of {max_len} tokens"
         )
     hf_tokenizer = _load_tokenizer(model_cfg, record)
@@ -228,19 +229,30 @@ def run(config: dict[str, Any], manifest_path: str | Path, record: dict[str, Any
     notes += more_notes
 
     # A sample of rows: the template renders, prompts tokenize and fit.
-    renderer = PromptRenderer.from_config(prompt_cfg)
+    renderer = PromptRenderer.from_config(config.prompt)
     if max_len is not None:
         renderer.max_chars = tokenizer.max_prompt_chars
-    sample = sample_rows(source, manifest, config["preflight"]["sample_rows"])
+    sample = sample_rows(source, manifest, config.preflight.sample_rows)
     lengths: list[int] = []
     reasons: dict[str, int] = {}
     first_error: dict[str, str] = {}
+
+    def row_error(index: int, row: dict[str, Any], e: RowError) -> None:
+        reasons[e.reason] = reasons.get(e.reason, 0) + 1
+        first_error.setdefault(e.reason, f"row {index}: {e}")
+
+    prompts = []
     for index, row in sample:
         try:
-            lengths.append(len(tokenizer.encode(renderer.render(row))))
+            prompts.append((index, row, renderer.render(row)))
         except RowError as e:
-            reasons[e.reason] = reasons.get(e.reason, 0) + 1
-            first_error.setdefault(e.reason, f"row {index}: {e}")
+            row_error(index, row, e)
+    encoded = tokenizer.encode_batch([p for _, _, p in prompts])
+    for (index, row, _), ids in zip(prompts, encoded, strict=True):
+        if isinstance(ids, RowError):
+            row_error(index, row, ids)
+        else:
+            lengths.append(len(ids))
     errors = sum(reasons.values())
     detail = "; ".join(f"{k} {v} (first: {first_error[k]})" for k, v in sorted(reasons.items()))
     if "template_unsafe" in reasons:
@@ -256,11 +268,11 @@ def run(config: dict[str, Any], manifest_path: str | Path, record: dict[str, Any
             f"{round(errors / len(sample) * manifest.total_rows)} of all rows): {detail}"
         )
     if max_len is not None:
-        short = sum(1 for n in lengths if n + sampling["max_tokens"] > max_len)
+        short = sum(1 for n in lengths if n + sampling.max_tokens > max_len)
         if short:
             notes.append(
                 f"{short} of {len(sample)} sampled rows leave fewer than sampling.max_tokens "
-                f"({sampling['max_tokens']}) tokens of the {max_len}-token context; their output stops early"
+                f"({sampling.max_tokens}) tokens of the {max_len}-token context; their output stops early"
             )
 
     report = {
@@ -283,24 +295,25 @@ def run(config: dict[str, Any], manifest_path: str | Path, record: dict[str, Any
     return report
 
 
-def estimate(config: dict[str, Any], manifest: Manifest, lengths: list[int]) -> dict[str, Any]:
+def estimate(config: RunConfig, manifest: Manifest, lengths: list[int]) -> dict[str, Any]:
     """The run's size: rows, shards, prompt tokens (from the sample) and GPU-hours at the stated throughput."""
     rows, shards = manifest.total_rows, len(manifest.shards)
-    pre = config["preflight"]
+    pre = config.preflight
     # every sample of a row is generated: n of them
-    out_tokens = rows * config["sampling"]["max_tokens"] * config["sampling"]["n"]
+    out_tokens = rows * config.sampling.max_tokens * config.sampling.n
     mean_prompt = sum(lengths) / len(lengths) if lengths else 0.0
-    seconds = out_tokens / pre["tokens_per_second"] + shards * pre["engine_start_seconds"]
+    seconds = out_tokens / pre.tokens_per_second + shards * pre.engine_start_seconds
+    gpus = config.model.gpus
     return {
         "rows": rows,
         "shards": shards,
-        "gpus_per_job": gpus_per_job(config),
+        "gpus_per_job": gpus,
         "mean_prompt_tokens_sampled": round(mean_prompt, 1),
         "prompt_tokens": round(mean_prompt * rows),
         "output_tokens_at_most": out_tokens,
-        "assumed_tokens_per_second": pre["tokens_per_second"],
-        "assumed_engine_start_seconds": pre["engine_start_seconds"],
-        "gpu_hours_at_most": round(seconds * gpus_per_job(config) / 3600, 3),
+        "assumed_tokens_per_second": pre.tokens_per_second,
+        "assumed_engine_start_seconds": pre.engine_start_seconds,
+        "gpu_hours_at_most": round(seconds * gpus / 3600, 3),
     }
 
 
@@ -320,7 +333,7 @@ def report_text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main_preflight(config: dict[str, Any], manifest: str, report_path: str, model_record: str | None = None) -> int:
+def main_preflight(config: RunConfig, manifest: str, report_path: str, model_record: str | None = None) -> int:
     from shardgen.fetch import load_record
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -16,7 +16,7 @@ from the prefix cache.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.meta
@@ -24,6 +24,9 @@ from jinja2.exceptions import SecurityError, TemplateSyntaxError, UndefinedError
 
 from shardgen.errors import ConfigError, RowError
 from shardgen.sandbox import MAX_ITEMS, BoundedSandbox, TemplateBoundError, recursive_macros, render_budget
+
+if TYPE_CHECKING:
+    from shardgen.config import PromptConfig
 
 ROLES = ("system", "user", "assistant")
 
@@ -83,15 +86,9 @@ class PromptRenderer:
         ]
 
     @classmethod
-    def from_config(cls, prompt: Mapping[str, Any]) -> PromptRenderer:
+    def from_config(cls, prompt: PromptConfig) -> PromptRenderer:
         """The renderer for the config's ``prompt`` section."""
-        return cls(
-            prompt.get("template"),
-            prompt.get("system"),
-            prompt.get("chat", True),
-            prompt.get("few_shot"),
-            prompt.get("messages_column"),
-        )
+        return cls(prompt.template, prompt.system, prompt.chat, list(prompt.few_shot), prompt.messages_column)
 
     def render_text(self, row: Mapping[str, Any]) -> str:
         """Render the template for one row.

@@ -14,7 +14,7 @@ import functools
 import html
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,14 +23,14 @@ import matplotlib
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter
 
+from shardgen import formats
 from shardgen.errors import ShardgenError
 from shardgen.io import atomic_write, atomic_write_text
-from shardgen.stats import _MIN, _RATIO, LogHistogram
+from shardgen.stats import BUCKET_MIN, BUCKET_RATIO, LogHistogram
 
 # The files make_plots writes into its directory (workflow/rules/report.smk names the same).
 TOTALS = "totals.html"
@@ -138,57 +138,6 @@ def shard_figures(stats: dict[str, Any]) -> list[ShardFigures]:
     return out
 
 
-def _jsonl_batches(path: Path, columns: list[str], batch_size: int) -> Iterator[pa.RecordBatch]:
-    """Columns of a JSON Lines file, batch by batch (line by line: any column may hold lists)."""
-    values: dict[str, list[Any]] = {c: [] for c in columns}
-
-    def flush() -> pa.RecordBatch:
-        batch = pa.RecordBatch.from_arrays([pa.array(values[c]) for c in columns], names=columns)
-        for v in values.values():
-            v.clear()
-        return batch
-
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                for c in columns:
-                    values[c].append(row.get(c))
-                if len(values[columns[0]]) >= batch_size:
-                    yield flush()
-    if values[columns[0]]:
-        yield flush()
-
-
-def _open_dataset(path: Path, batch_size: int) -> tuple[list[str], Callable[[list[str]], Iterator[pa.RecordBatch]]]:
-    """The merged output in any ``output.format``: its column names, and a reader of some columns, batch by batch.
-
-    Parquet is read batch by batch (row group by row group), a ``datasets``
-    directory's Arrow files are memory-mapped, JSON Lines is read line by line.
-    """
-    if path.is_dir():  # output.format hf: Dataset.save_to_disk
-        files = [path / f["filename"] for f in json.loads((path / "state.json").read_text())["_data_files"]]
-        names: list[str] = []
-        for file in files[:1]:
-            with pa.memory_map(str(file)) as src:
-                names = pa.ipc.open_stream(src).schema.names
-
-        def arrow_batches(columns: list[str]) -> Iterator[pa.RecordBatch]:
-            for file in files:
-                with pa.memory_map(str(file)) as src:
-                    for batch in pa.ipc.open_stream(src):
-                        yield batch.select(columns)
-
-        return names, arrow_batches
-    if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            first = next((line for line in f if line.strip()), None)
-        names = list(json.loads(first)) if first else []
-        return names, lambda columns: _jsonl_batches(path, columns, batch_size)
-    pf = pq.ParquetFile(path)
-    return pf.schema_arrow.names, lambda columns: pf.iter_batches(batch_size=batch_size, columns=columns)
-
-
 def length_counts(output: str | Path, batch_size: int = 65536) -> dict[str, LengthCounts]:
     """Count the token lengths of ``prompt_tokens`` and ``generated_tokens`` in the merged output.
 
@@ -207,7 +156,7 @@ def length_counts(output: str | Path, batch_size: int = 65536) -> dict[str, Leng
     """
     path = Path(output)
     try:
-        names, read = _open_dataset(path, batch_size)
+        names, read = formats.read_columns(path, batch_size)
         out = {name: LengthCounts(np.zeros(0, np.int64), present=name in names) for name in TOKEN_COLUMNS}
         columns = [n for n in TOKEN_COLUMNS if n in names]
         per_sample_rows = "sample_index" in names  # output.samples rows: one output row per sample
@@ -405,7 +354,7 @@ def plot_ttft(stats: dict[str, Any], path: Path) -> Path:
     else:
         lo, hi = min(hist.counts), max(hist.counts)
         counts = [hist.counts.get(i, 0) for i in range(lo, hi + 1)]
-        edges = _MIN * _RATIO ** np.arange(lo, hi + 2, dtype=float)  # bucket i is [_MIN r^i, _MIN r^(i+1))
+        edges = BUCKET_MIN * BUCKET_RATIO ** np.arange(lo, hi + 2, dtype=float)  # bucket i: [MIN r^i, MIN r^(i+1))
         ax.stairs(counts, edges, fill=True, color=_COLORS["generation"], alpha=0.8)
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(_PlainLogFormatter())

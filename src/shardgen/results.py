@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from shardgen.errors import ConfigError, RowError
+
+if TYPE_CHECKING:
+    from shardgen.config import RunConfig
 
 LOGPROB_TYPE = pa.list_(
     pa.list_(pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())]))
@@ -93,22 +96,28 @@ class ResultSpec:
     """The result columns of a run, and the rows a completion gives.
 
     Args:
-        sampling: the config's ``sampling`` section.
-        output: the config's ``output`` section.
+        sampling: the config's ``sampling`` section (``SamplingParams`` fields).
+        samples: ``output.samples``: with ``n`` > 1, one output row per sample
+            (``rows``) or list columns (``list``).
+        choice_probs: ``output.choice_probs``.
         choice_token_ids: the first token of each label (``output.choice_probs``),
             as the engine's tokenizer encodes it.
     """
 
     def __init__(
-        self, sampling: dict[str, Any], output: dict[str, Any], choice_token_ids: Sequence[int] | None = None
+        self,
+        sampling: Mapping[str, Any],
+        samples: str = "rows",
+        choice_probs: bool = False,
+        choice_token_ids: Sequence[int] | None = None,
     ) -> None:
         self.n: int = sampling.get("n", 1)
-        self.as_list = self.n > 1 and output.get("samples", "rows") == "list"
+        self.as_list = self.n > 1 and samples == "list"
         self.as_rows = self.n > 1 and not self.as_list
         structured = sampling.get("structured_outputs") or {}
         self.json_schema = structured.get("json")
         self.choices: list[str] | None = structured.get("choice")
-        self.choice_probs = bool(output.get("choice_probs"))
+        self.choice_probs = choice_probs
         # empty until the engine's tokenizer is known (the columns do not depend on it)
         self.choice_token_ids = list(choice_token_ids or [])
         if self.choice_token_ids and len(self.choice_token_ids) != len(self.choices or []):
@@ -120,6 +129,26 @@ class ResultSpec:
             from jsonschema import validators
 
             self._validator = validators.validator_for(self.json_schema)(self.json_schema)
+
+    @classmethod
+    def of(cls, config: RunConfig, choice_token_ids: Sequence[int] | None = None) -> ResultSpec:
+        """The result columns of a run."""
+        return cls(config.sampling, config.output.samples, config.output.choice_probs, choice_token_ids)
+
+    def schema(
+        self, input_schema: pa.Schema, fingerprint: str = "", config_fingerprint: str = "", shard_id: str = ""
+    ) -> pa.Schema:
+        """A shard file's schema (the merged output's, with no fingerprints): the input's columns, then
+        the result columns, stamped with the shard and what made it."""
+        from shardgen.outputs import CONFIG_KEY, FINGERPRINT_KEY, ROWS_PER_INPUT_KEY, SHARD_KEY
+
+        meta = {
+            FINGERPRINT_KEY: fingerprint.encode(),
+            CONFIG_KEY: config_fingerprint.encode(),
+            SHARD_KEY: shard_id.encode(),
+            ROWS_PER_INPUT_KEY: str(self.rows_per_input).encode(),
+        }
+        return pa.schema(list(input_schema) + self.fields(), metadata=meta)
 
     @property
     def rows_per_input(self) -> int:

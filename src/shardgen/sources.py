@@ -14,12 +14,15 @@ import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardgen.errors import InputError
+
+if TYPE_CHECKING:
+    from shardgen.config import InputConfig
 
 BATCH_ROWS = 1024
 
@@ -286,32 +289,32 @@ class HFSource:
 Source = ParquetSource | HFSource
 
 
-def open_source(input_cfg: dict[str, Any]) -> Source:
+def open_source(input_cfg: InputConfig) -> Source:
     """Open the source that ``input`` in the config names (metadata only for Parquet)."""
-    if input_cfg.get("parquet"):
-        return ParquetSource.scan(input_cfg["parquet"])
-    if input_cfg.get("hf"):
-        return HFSource.open("hf", dict(input_cfg["hf"]))
-    if input_cfg.get("disk"):
-        path = input_cfg["disk"]
+    if input_cfg.parquet:
+        return ParquetSource.scan(list(input_cfg.parquet))
+    if input_cfg.hf:
+        return HFSource.open("hf", dict(input_cfg.hf))
+    if input_cfg.disk:
+        path = input_cfg.disk
         if not Path(path).is_dir():
             raise InputError(f"input.disk: no such directory: '{path}'")
         return HFSource.open("disk", {"path": path})
     raise InputError("input: set one of input.parquet, input.hf or input.disk")
 
 
-def input_signature(input_cfg: dict[str, Any]) -> list[list[Any]]:
+def input_signature(input_cfg: InputConfig) -> list[list[Any]]:
     """Size and modification time of every local input file, from ``stat`` alone (cheap enough for
     every Snakefile parse): a file edited in place changes it, so the run plans again instead of
     refusing the changed input in every job. Paths that do not exist are left to planning to name."""
     paths: list[str] = []
-    if input_cfg.get("parquet"):
+    if input_cfg.parquet:
         try:
-            paths = expand_parquet_patterns(input_cfg["parquet"])
+            paths = expand_parquet_patterns(list(input_cfg.parquet))
         except InputError:
             return []
-    elif input_cfg.get("disk") and os.path.isdir(input_cfg["disk"]):
-        paths = sorted(str(p) for p in Path(input_cfg["disk"]).iterdir() if p.is_file())
+    elif input_cfg.disk and os.path.isdir(input_cfg.disk):
+        paths = sorted(str(p) for p in Path(input_cfg.disk).iterdir() if p.is_file())
     out = []
     for path in paths:
         st = os.stat(path)

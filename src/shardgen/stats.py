@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-_RATIO = 1.05  # bucket width: values within a bucket differ by at most 5%
-_MIN = 1e-4  # seconds; smaller values share the first bucket
-_LOG = math.log(_RATIO)
+import pyarrow as pa
+import pyarrow.compute as pc
+
+BUCKET_RATIO = 1.05  # bucket width: values within a bucket differ by at most 5%
+BUCKET_MIN = 1e-4  # seconds; smaller values share the first bucket
+_LOG = math.log(BUCKET_RATIO)
 
 
 @dataclass
@@ -22,13 +26,13 @@ class LogHistogram:
     """A histogram of positive values with geometric buckets.
 
     ``counts`` maps a bucket index to a count; index ``i`` holds values in
-    ``[_MIN * r**i, _MIN * r**(i+1))``.
+    ``[BUCKET_MIN * r**i, BUCKET_MIN * r**(i+1))``.
     """
 
     counts: dict[int, int] = field(default_factory=dict)
 
     def add(self, value: float) -> None:
-        i = 0 if value <= _MIN else int(math.log(value / _MIN) / _LOG)
+        i = 0 if value <= BUCKET_MIN else int(math.log(value / BUCKET_MIN) / _LOG)
         self.counts[i] = self.counts.get(i, 0) + 1
 
     def __iadd__(self, other: LogHistogram) -> LogHistogram:
@@ -50,8 +54,8 @@ class LogHistogram:
         for i in sorted(self.counts):
             seen += self.counts[i]
             if seen > rank:
-                return _MIN * _RATIO ** (i + 0.5)
-        return _MIN * _RATIO ** (max(self.counts) + 0.5)
+                return BUCKET_MIN * BUCKET_RATIO ** (i + 0.5)
+        return BUCKET_MIN * BUCKET_RATIO ** (max(self.counts) + 0.5)
 
     def to_json(self) -> dict[str, int]:
         return {str(i): n for i, n in sorted(self.counts.items())}
@@ -106,6 +110,106 @@ def summarize(counters: dict[str, Any], hists: dict[str, LogHistogram]) -> dict[
         stem = name.removesuffix("_s")
         for q in (50, 90, 99):
             out[f"{stem}_p{q}_s"] = h.quantile(q / 100)
+    return out
+
+
+@dataclass
+class AttemptCounters:
+    """What one attempt of a shard did, counted as it happened (never derived from other counts)."""
+
+    rows: int = 0  # input rows this attempt finished: generated, or row errors
+    requests: int = 0  # engine requests that completed
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    ttft: LogHistogram = field(default_factory=LogHistogram)
+    latency: LogHistogram = field(default_factory=LogHistogram)
+
+
+def _column_sum(table: pa.Table, name: str) -> int:
+    col = table.column(name)
+    if pa.types.is_list(col.type):
+        col = pc.list_flatten(col)
+    return int(pc.sum(col).as_py() or 0)
+
+
+def error_reasons(table: pa.Table) -> dict[str, int]:
+    """Input rows with an error, by reason: a row counts once, by its first failed sample's error."""
+    from shardgen.errors import error_reason
+
+    bad = table.filter(table.column("error").is_valid()).select(["row_index", "error"])
+    first: dict[int, str] = {}
+    for i, e in zip(bad.column("row_index").to_pylist(), bad.column("error").to_pylist(), strict=True):
+        first.setdefault(i, e)
+    return dict(Counter(map(error_reason, first.values())))
+
+
+def shard_stats(
+    shard: Any,
+    table: pa.Table,
+    resumed: int,
+    counters: AttemptCounters,
+    engine_seconds: float,
+    generation_seconds: float,
+    wall_seconds: float,
+    gpus: int,
+    engine_delta: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """A committed shard's figures: the rows of its file, and the work of the attempt that finished it.
+
+    Args:
+        shard: the plan's shard (``id``, ``start``, ``stop``, ``rows``).
+        table: the shard's committed output.
+        resumed: input rows taken from checkpoints of earlier attempts.
+        counters: what the finishing attempt counted as it ran.
+        engine_delta: the engine's counters over the attempt (``Engine.counters``
+            after minus before): preemptions and speculative decoding.
+    """
+    reasons = error_reasons(table)
+    figures = {
+        "rows": shard.rows,
+        "output_rows": table.num_rows,
+        "errors": sum(reasons.values()),
+        "rows_resumed": resumed,
+        "rows_generated": counters.rows,
+        "prompt_tokens": _column_sum(table, "prompt_tokens"),
+        "generated_tokens": _column_sum(table, "generated_tokens"),
+        # This attempt's engine work, which throughput is measured over.
+        "attempt_requests": counters.requests,
+        "attempt_prompt_tokens": counters.prompt_tokens,
+        "attempt_generated_tokens": counters.generated_tokens,
+        "cached_prompt_tokens": counters.cached_tokens,
+        "engine_start_seconds": round(engine_seconds, 3),
+        "generation_seconds": round(generation_seconds, 3),
+        "wall_seconds": round(wall_seconds, 3),
+        "gpus": gpus,
+        "gpu_hours": wall_seconds * gpus / 3600,
+    }
+    hists = {"ttft_s": counters.ttft, "latency_s": counters.latency}
+    return {
+        "shard": shard.id,
+        "row_start": shard.start,
+        "row_stop": shard.stop,
+        **figures,
+        "error_reasons": reasons,
+        **summarize(figures, hists),
+        "histograms": {k: h.to_json() for k, h in hists.items()},
+        **engine_stats(engine_delta or {}),
+    }
+
+
+def engine_stats(delta: dict[str, float]) -> dict[str, Any]:
+    """Preemptions and speculative decoding from the engine's counters over an attempt."""
+    out: dict[str, Any] = {"preemptions": int(delta.get("preemptions", 0))}
+    drafts = delta.get("spec_decode_draft_tokens", 0)
+    if drafts:
+        accepted = delta.get("spec_decode_accepted_tokens", 0)
+        out["spec_decode"] = {
+            "draft_tokens": int(drafts),
+            "accepted_tokens": int(accepted),
+            "acceptance_rate": accepted / drafts,
+            "drafts": int(delta.get("spec_decode_drafts", 0)),
+        }
     return out
 
 

@@ -24,7 +24,6 @@ from tests.integration.workflow import (
     dry_run_jobs,
     part_rows,
     run_workflow,
-    slurm_available,
     workflow_config,
 )
 
@@ -103,11 +102,9 @@ def _job_states(job_ids) -> dict[str, str]:
 
 
 @pytest.mark.slurm
-def test_a_time_limit_and_a_scancel_each_save_the_finished_rows_and_the_retries_get_more_time(tmp_path):
+def test_a_time_limit_and_a_scancel_each_save_the_finished_rows_and_the_retries_get_more_time(tmp_path, slurm_cluster):
     """SIGTERM reaches shardgen under Slurm, from the time limit and from scancel, and what it saves
     is what the next attempt resumes; each attempt gets runtime × its number."""
-    if not slurm_available():
-        pytest.fail("no Slurm cluster: run `make slurm` first")
     rows = 300
     # About 25-55 s from job start to the first row and 2-3.5 rows/s here. Attempt 1 (1 minute) runs
     # out of time after some rows (Slurm enforces the limit within about 30 s: 140 rows were done in

@@ -8,7 +8,6 @@ import random
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen import engine as eng
 from shardgen.generate import run_shard
 from shardgen.plan import write_manifest
 from tests.conftest import base_config, make_rows, write_parquet
@@ -16,7 +15,7 @@ from tests.conftest import base_config, make_rows, write_parquet
 pytestmark = pytest.mark.engine
 
 
-def test_the_engine_queue_never_drains_while_rows_remain(tmp_path, llm, monkeypatch):
+def test_the_engine_queue_never_drains_while_rows_remain(tmp_path, engine, monkeypatch):
     """Seen from the engine: before every step while rows remain, it holds a full window of requests."""
     window, rows = 6, 40
     data = write_parquet(tmp_path / "in.parquet", make_rows(rows))
@@ -24,25 +23,24 @@ def test_the_engine_queue_never_drains_while_rows_remain(tmp_path, llm, monkeypa
         {"parquet": [str(data)]}, shards={"rows_per_shard": rows}, output={"dir": str(tmp_path / "out")}
     )
     write_manifest(config, tmp_path / "m.json")
-    engine = llm.llm_engine
+    core = engine.llm.llm_engine
     events: list[tuple[str, int]] = []
-    real_step, real_add = engine.step, engine.add_request
+    real_step, real_add = core.step, core.add_request
 
     def step():
-        events.append(("step", engine.get_num_unfinished_requests()))
+        events.append(("step", core.get_num_unfinished_requests()))
         return real_step()
 
     def add_request(*args, **kwargs):
         out = real_add(*args, **kwargs)
-        events.append(("add", engine.get_num_unfinished_requests()))
+        events.append(("add", core.get_num_unfinished_requests()))
         return out
 
-    real_init = eng.Feeder.__init__
     with monkeypatch.context() as m:
-        m.setattr(engine, "step", step)
-        m.setattr(engine, "add_request", add_request)
-        m.setattr(eng.Feeder, "__init__", lambda self, llm, params, w=None: real_init(self, llm, params, window))
-        stats = run_shard(config, tmp_path / "m.json", "00000", tmp_path / "o.parquet", tmp_path / "o.json", llm=llm)
+        m.setattr(core, "step", step)
+        m.setattr(core, "add_request", add_request)
+        stats = run_shard(config, tmp_path / "m.json", "00000", tmp_path / "o.parquet", tmp_path / "o.json", engine,
+                          window=window)  # fmt: skip
     last_add = max(i for i, (kind, _) in enumerate(events) if kind == "add")
     before_last_add = [n for kind, n in events[:last_add] if kind == "step"]
     assert sum(1 for kind, _ in events if kind == "add") == rows
@@ -62,7 +60,7 @@ def documents(n: int) -> list[str]:
     return [f"Document {d}: " + " ".join(rng.choice(WORDS) for _ in range(300)) for d in range(n)]
 
 
-def run_order(tmp_path, llm, rows: list[dict], order: str) -> tuple[list, dict]:
+def run_order(tmp_path, engine, rows: list[dict], order: str) -> tuple[list, dict]:
     work = tmp_path / order
     data = write_parquet(work / "in.parquet", rows)
     config = base_config(
@@ -73,12 +71,12 @@ def run_order(tmp_path, llm, rows: list[dict], order: str) -> tuple[list, dict]:
         output={"dir": str(work / "out")},
     )
     write_manifest(config, work / "m.json")
-    llm.reset_prefix_cache()  # each order starts from a cold cache
-    stats = run_shard(config, work / "m.json", "00000", work / "o.parquet", work / "o.json", llm=llm)
+    engine.llm.reset_prefix_cache()  # each order starts from a cold cache
+    stats = run_shard(config, work / "m.json", "00000", work / "o.parquet", work / "o.json", engine)
     return pq.read_table(work / "o.parquet").to_pylist(), stats
 
 
-def test_prefix_aware_order_hits_the_prefix_cache_more_than_a_shuffled_order(tmp_path, llm):
+def test_prefix_aware_order_hits_the_prefix_cache_more_than_a_shuffled_order(tmp_path, engine):
     # 16 documents (about 330 tokens) x 4 questions, shuffled. Their shared prefixes (2 blocks
     # of 128 tokens each, 32 in all) do not fit the test engine's KV cache
     # (22 blocks), so a shuffled order evicts a document before its next
@@ -86,8 +84,8 @@ def test_prefix_aware_order_hits_the_prefix_cache_more_than_a_shuffled_order(tmp
     docs = documents(16)
     rows = [{"doc": d, "q": q, "key": f"{i}-{q}"} for i, d in enumerate(docs) for q in range(4)]
     random.Random(9).shuffle(rows)
-    shuffled, s_stats = run_order(tmp_path, llm, rows, "input")
-    ordered, o_stats = run_order(tmp_path, llm, rows, "prefix")
+    shuffled, s_stats = run_order(tmp_path, engine, rows, "input")
+    ordered, o_stats = run_order(tmp_path, engine, rows, "prefix")
     assert [r["key"] for r in ordered] == [r["key"] for r in rows], "the output is in input order"
     assert [r["generation"] for r in ordered] == [r["generation"] for r in shuffled], "the order changes no text"
     hit_sorted, hit_shuffled = o_stats["prefix_cache_hit_rate"], s_stats["prefix_cache_hit_rate"]

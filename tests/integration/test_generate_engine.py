@@ -11,11 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardgen import engine as eng
+from shardgen.engine import Engine
 from shardgen.errors import InputError
-from shardgen.generate import Interrupted, TooManyErrors, run_shard
+from shardgen.feed import TooManyErrors
+from shardgen.generate import Interrupted, run_shard
 from shardgen.outputs import ShardCheckpoint
 from shardgen.plan import write_manifest
-from tests.conftest import base_config, make_rows, write_parquet
+from tests.conftest import base_config, changed, make_rows, write_parquet
 from tests.integration.workflow import part_rows
 
 pytestmark = pytest.mark.engine
@@ -29,15 +31,15 @@ def plan(tmp_path, rows, **overrides):
     return config, manifest
 
 
-def run(tmp_path, config, manifest, shard, llm):
+def run(tmp_path, config, manifest, shard, engine, window=None):
     out, stats = tmp_path / f"{shard}.parquet", tmp_path / f"{shard}.stats.json"
-    run_shard(config, manifest, shard, out, stats, llm=llm)
+    run_shard(config, manifest, shard, out, stats, engine, window=window)
     return pq.read_table(out), json.loads(stats.read_text())
 
 
-def test_every_row_of_a_shard_gets_a_generation_and_the_stats_match_the_rows(tmp_path, llm):
+def test_every_row_of_a_shard_gets_a_generation_and_the_stats_match_the_rows(tmp_path, engine):
     config, manifest = plan(tmp_path, make_rows(20))
-    table, stats = run(tmp_path, config, manifest, "00001", llm)
+    table, stats = run(tmp_path, config, manifest, "00001", engine)
     assert table.column("row_index").to_pylist() == list(range(8, 16))
     assert table.column("id").to_pylist() == [f"r{i:05d}" for i in range(8, 16)]
     assert all(g and g.strip() for g in table.column("generation").to_pylist())
@@ -46,12 +48,12 @@ def test_every_row_of_a_shard_gets_a_generation_and_the_stats_match_the_rows(tmp
     assert stats["rows"] == 8 and stats["errors"] == 0 and stats["rows_generated"] == 8
     assert stats["generated_tokens"] == pc.sum(table.column("generated_tokens")).as_py()
     assert stats["prompt_tokens"] == pc.sum(table.column("prompt_tokens")).as_py()
-    assert stats["generated_tokens"] <= 8 * config["sampling"]["max_tokens"]
+    assert stats["generated_tokens"] <= 8 * config.sampling.max_tokens
     assert stats["ttft_p50_s"] > 0 and stats["output_tokens_per_s"] > 0
     assert stats["histograms"]["ttft_s"], "time to first token comes from vLLM's per-request metrics"
 
 
-def test_bad_rows_of_every_kind_are_row_errors_and_the_shard_goes_on(tmp_path, llm):
+def test_bad_rows_of_every_kind_are_row_errors_and_the_shard_goes_on(tmp_path, engine):
     rows = [{"text": f"Say hello to {i}.", "raw": b"", "n": 1} for i in range(9)]
     rows[1]["text"] = "very long " * 2000  # far beyond max_model_len (1024)
     rows[2]["text"] = None
@@ -65,7 +67,7 @@ def test_bad_rows_of_every_kind_are_row_errors_and_the_shard_goes_on(tmp_path, l
         shards={"rows_per_shard": 9},
         errors={"max_rate": 0.6},
     )
-    table, stats = run(tmp_path, config, manifest, "00000", llm)
+    table, stats = run(tmp_path, config, manifest, "00000", engine)
     errors = table.column("error").to_pylist()
     assert errors[1].startswith("prompt_too_long: the prompt has ")
     assert errors[2] == "null_value: column 'text' is null"
@@ -83,22 +85,22 @@ def test_bad_rows_of_every_kind_are_row_errors_and_the_shard_goes_on(tmp_path, l
     }
 
 
-def test_a_gigabyte_cell_is_a_prompt_too_long_row_error_without_being_tokenized(tmp_path, llm, monkeypatch):
+def test_a_gigabyte_cell_is_a_prompt_too_long_row_error_without_being_tokenized(tmp_path, engine, monkeypatch):
     """A 1 GiB cell would be about 350 million token ids: it must never reach the tokenizer."""
     rows = make_rows(4)
     rows[2]["topic"] = "x" * 2**30
     config, manifest = plan(tmp_path, rows, shards={"rows_per_shard": 4}, errors={"max_rate": 0.5})
     del rows
     longest = []
-    real_encode = eng.Tokenizer.encode
+    real_encode = eng.Tokenizer.encode_batch
 
-    def encode(self, prompt):
-        longest.append(len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt))
-        return real_encode(self, prompt)
+    def encode_batch(self, prompts):
+        longest.extend(len(p) if isinstance(p, str) else sum(len(m["content"]) for m in p) for p in prompts)
+        return real_encode(self, prompts)
 
-    monkeypatch.setattr(eng.Tokenizer, "encode", encode)
+    monkeypatch.setattr(eng.Tokenizer, "encode_batch", encode_batch)
     out, stats_path = tmp_path / "s.parquet", tmp_path / "s.json"
-    stats = run_shard(config, manifest, "00000", out, stats_path, llm=llm)
+    stats = run_shard(config, manifest, "00000", out, stats_path, engine)
     errors = pq.read_table(out, columns=["error"]).column("error").to_pylist()
     assert errors[2].startswith("prompt_too_long: the prompt has more than") and errors.count(None) == 3
     assert len(longest) == 3 and max(longest) < 1000, "only the three ordinary rows were tokenized"
@@ -121,7 +123,7 @@ def stop_after_first_flush(monkeypatch) -> list[int]:
     return flushed
 
 
-def partial_run(tmp_path, llm, monkeypatch, **overrides) -> tuple[dict, object, int]:
+def partial_run(tmp_path, engine, monkeypatch, **overrides) -> tuple[dict, object, int]:
     """Plan 16 rows in one shard and stop its job after some rows are saved."""
     config, manifest = plan(
         tmp_path, make_rows(16), shards={"rows_per_shard": 16}, checkpoint={"rows": 3, "seconds": 300}, **overrides
@@ -131,26 +133,24 @@ def partial_run(tmp_path, llm, monkeypatch, **overrides) -> tuple[dict, object, 
         # Two requests in flight at a time, so rows finish over many engine
         # steps and the stop lands mid-shard (with all 16 in one batch they
         # may all finish in the same step).
-        real_init = eng.Feeder.__init__
-        m.setattr(eng.Feeder, "__init__", lambda self, llm, params, window=None: real_init(self, llm, params, 2))
         with pytest.raises(Interrupted, match="stopped by SIGTERM"):
-            run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", llm=llm)
+            run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", engine, window=2)
     assert not (tmp_path / "s.parquet").exists()
     return config, manifest, sum(flushed)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_saves_exactly_the_rows_finished_before_it_and_the_next_attempt_sends_only_the_rest(
-    tmp_path, llm, monkeypatch, signum
+    tmp_path, engine, monkeypatch, signum
 ):
     """Periodic saves are far above the shard's size: the only save is the one the signal makes."""
     rows = 16
     config, manifest = plan(
         tmp_path, make_rows(rows), shards={"rows_per_shard": rows}, checkpoint={"rows": 10_000, "seconds": 3600}
     )
-    engine = llm.llm_engine
+    core = engine.llm.llm_engine
     finished = {"before_signal": 0, "all": 0}
-    real_step = engine.step
+    real_step = core.step
 
     def step():
         outputs = real_step()
@@ -169,17 +169,15 @@ def test_a_signal_saves_exactly_the_rows_finished_before_it_and_the_next_attempt
         real_flush(self, rows_)
 
     with monkeypatch.context() as m:
-        m.setattr(engine, "step", step)
+        m.setattr(core, "step", step)
         m.setattr(ShardCheckpoint, "flush", flush)
-        real_init = eng.Feeder.__init__
-        m.setattr(eng.Feeder, "__init__", lambda self, llm, params, window=None: real_init(self, llm, params, 2))
         with pytest.raises(Interrupted, match=f"stopped by {signal.Signals(signum).name}"):
-            run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", llm=llm)
+            run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", engine, window=2)
     saved = finished["before_signal"]
     assert 5 <= saved < rows and parts_before_signal == [], "no periodic save happened before the signal"
     assert part_rows(tmp_path / "out" / "checkpoints" / "00000") == saved
     # the next attempt: what was finished comes from the checkpoint; the engine gets only the rest
-    table, stats = run(tmp_path, config, manifest, "00000", llm)
+    table, stats = run(tmp_path, config, manifest, "00000", engine)
     assert table.column("row_index").to_pylist() == list(range(rows))
     assert stats["rows_resumed"] == saved
     assert stats["attempt_requests"] == rows - saved == stats["rows_generated"], "only the unsaved rows were sent"
@@ -189,7 +187,7 @@ def test_a_signal_saves_exactly_the_rows_finished_before_it_and_the_next_attempt
     assert not (tmp_path / "out" / "checkpoints" / "00000").exists()
 
 
-def test_the_time_trigger_saves_rows_without_the_row_trigger(tmp_path, llm, monkeypatch):
+def test_the_time_trigger_saves_rows_without_the_row_trigger(tmp_path, engine, monkeypatch):
     """checkpoint.seconds alone makes saves while the shard runs (the row trigger is out of reach)."""
     config, manifest = plan(
         tmp_path, make_rows(16), shards={"rows_per_shard": 16}, checkpoint={"rows": 10_000, "seconds": 0.001}
@@ -204,42 +202,40 @@ def test_the_time_trigger_saves_rows_without_the_row_trigger(tmp_path, llm, monk
 
     with monkeypatch.context() as m:
         m.setattr(ShardCheckpoint, "flush", flush)
-        real_init = eng.Feeder.__init__
-        m.setattr(eng.Feeder, "__init__", lambda self, llm, params, window=None: real_init(self, llm, params, 2))
-        run(tmp_path, config, manifest, "00000", llm)
+        run(tmp_path, config, manifest, "00000", engine, window=2)
     assert len(saves) >= 4 and sum(saves) == 16, saves
 
 
-def test_a_truncated_part_is_detected_and_its_rows_generated_again(tmp_path, llm, monkeypatch):
-    config, manifest, saved = partial_run(tmp_path, llm, monkeypatch)
+def test_a_truncated_part_is_detected_and_its_rows_generated_again(tmp_path, engine, monkeypatch):
+    config, manifest, saved = partial_run(tmp_path, engine, monkeypatch)
     parts = sorted((tmp_path / "out" / "checkpoints" / "00000").glob("part-*.parquet"))
     lost = pq.read_metadata(parts[-1]).num_rows
     parts[-1].write_bytes(parts[-1].read_bytes()[:100])  # the job died while writing it
-    table, stats = run(tmp_path, config, manifest, "00000", llm)
+    table, stats = run(tmp_path, config, manifest, "00000", engine)
     assert table.column("row_index").to_pylist() == list(range(16))
     assert stats["rows_resumed"] == saved - lost
     assert len(stats["checkpoints_discarded"]) == 1 and "unreadable" in stats["checkpoints_discarded"][0]
 
 
-def test_checkpoints_of_a_changed_sampling_key_are_not_reused(tmp_path, llm, monkeypatch):
-    config, manifest, saved = partial_run(tmp_path, llm, monkeypatch)
+def test_checkpoints_of_a_changed_sampling_key_are_not_reused(tmp_path, engine, monkeypatch):
+    config, manifest, saved = partial_run(tmp_path, engine, monkeypatch)
     assert saved > 0
-    config["sampling"]["max_tokens"] = 10  # was 12
-    table, stats = run(tmp_path, config, manifest, "00000", llm)
+    config = changed(config, "sampling", max_tokens=10)  # was 12
+    table, stats = run(tmp_path, config, manifest, "00000", engine)
     assert stats["rows_resumed"] == 0 and stats["rows_generated"] == 16
     assert all("another configuration" in d for d in stats["checkpoints_discarded"])
     assert max(table.column("generated_tokens").to_pylist()) <= 10
 
 
-def test_thread_variables_from_snakemake_are_dropped_before_the_engine_starts(tmp_path, llm, monkeypatch):
+def test_thread_variables_from_snakemake_are_dropped_before_the_engine_starts(tmp_path, engine, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     config, manifest = plan(tmp_path, make_rows(2))
-    _, stats = run(tmp_path, config, manifest, "00000", llm)
+    _, stats = run(tmp_path, config, manifest, "00000", engine)
     assert stats["thread_env_removed"] == {"OMP_NUM_THREADS": "2"}
     assert "OMP_NUM_THREADS" not in os.environ
 
 
-def test_a_shard_over_the_error_rate_fails_keeping_its_rows_and_its_retry_fails_before_the_engine(tmp_path, llm):
+def test_a_shard_over_the_error_rate_fails_keeping_its_rows_and_its_retry_fails_before_the_engine(tmp_path, engine):
     rows = make_rows(16)
     for r in rows[4:]:
         r["topic"] = None  # 12 of 16 rows are errors; errors.max_rate 0.25 allows 4
@@ -248,22 +244,22 @@ def test_a_shard_over_the_error_rate_fails_keeping_its_rows_and_its_retry_fails_
     )
     out, stats = tmp_path / "s.parquet", tmp_path / "s.json"
     with pytest.raises(TooManyErrors, match=r"shard 00000: 5 of its 16 rows are errors.*\(4\).*null_value 5"):
-        run_shard(config, manifest, "00000", out, stats, llm=llm)
+        run_shard(config, manifest, "00000", out, stats, engine)
     assert not out.exists() and not stats.exists()
     assert part_rows(tmp_path / "out" / "checkpoints" / "00000") >= 5, "finished rows are kept"
     # The retry counts the saved errors and stops before it would use an engine.
     with pytest.raises(TooManyErrors, match="first: row 4: null_value"):
-        run_shard(config, manifest, "00000", out, stats, llm=object())
+        run_shard(config, manifest, "00000", out, stats, engine=Engine(object()))
 
 
 def test_an_input_changed_after_planning_is_refused_before_the_engine_starts(tmp_path):
     config, manifest = plan(tmp_path, make_rows(8))
     write_parquet(tmp_path / "in.parquet", make_rows(9))
     with pytest.raises(InputError, match=r"'.*in.parquet' changed after planning"):
-        run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", llm=object())
+        run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", engine=Engine(object()))
 
 
-def test_the_engine_listens_on_no_port_other_machines_can_reach(llm):
+def test_the_engine_listens_on_no_port_other_machines_can_reach(engine):
     import ipaddress
 
     import psutil
@@ -278,28 +274,28 @@ def test_the_engine_listens_on_no_port_other_machines_can_reach(llm):
     assert listening == [], "the engine's own sockets must stay on the loopback interface"
 
 
-def test_several_shards_in_one_job_share_the_engine_and_a_retry_keeps_the_committed_ones(tmp_path, llm):
-    from shardgen.generate import SharedEngine, run_shards
+def test_several_shards_in_one_job_share_the_engine_and_a_retry_keeps_the_committed_ones(tmp_path, engine):
+    from shardgen.generate import run_shards
 
     config, manifest = plan(tmp_path, make_rows(20))  # shards of 8: 00000, 00001, 00002
     shard_dir = tmp_path / "shards"
     shard_dir.mkdir()
-    run_shard(config, manifest, "00000", shard_dir / "00000.parquet", shard_dir / "00000.stats.json", llm=llm)
+    run_shard(config, manifest, "00000", shard_dir / "00000.parquet", shard_dir / "00000.stats.json", engine)
     before = (shard_dir / "00000.parquet").stat().st_mtime_ns
     # the retry of a job that died after its first shard
-    done = run_shards(config, manifest, ["00000", "00001", "00002"], shard_dir, engine=SharedEngine(llm))
+    done = run_shards(config, manifest, ["00000", "00001", "00002"], shard_dir, engine=engine)
     assert [s["shard"] for s in done] == ["00001", "00002"], "the committed shard is kept, the others run"
     assert (shard_dir / "00000.parquet").stat().st_mtime_ns == before
     assert pq.read_table(shard_dir / "00002.parquet").column("row_index").to_pylist() == list(range(16, 20))
     # a shard made with another config is not kept
-    config["sampling"]["max_tokens"] = 6
-    done = run_shards(config, manifest, ["00000"], shard_dir, engine=SharedEngine(llm))
+    config = changed(config, "sampling", max_tokens=6)
+    done = run_shards(config, manifest, ["00000"], shard_dir, engine=engine)
     assert [s["shard"] for s in done] == ["00000"]
-    assert llm.llm_engine.get_num_unfinished_requests() == 0, "the shared engine is still there, idle"
+    assert engine.llm.llm_engine.get_num_unfinished_requests() == 0, "the shared engine is still there, idle"
 
 
 def test_out_of_memory_while_generating_keeps_the_finished_rows_and_the_retry_halves_the_batch_the_engine_used(
-    tmp_path, llm, monkeypatch
+    tmp_path, engine, monkeypatch
 ):
     """CUDA out of memory cannot happen on the CPU build: vLLM's message is raised from a step, as on a GPU."""
     from shardgen.generate import OutOfMemory
@@ -307,8 +303,8 @@ def test_out_of_memory_while_generating_keeps_the_finished_rows_and_the_retry_ha
     config, manifest = plan(
         tmp_path, make_rows(16), shards={"rows_per_shard": 16}, checkpoint={"rows": 10_000, "seconds": 3600}
     )
-    engine = llm.llm_engine
-    real_step, steps = engine.step, []
+    core = engine.llm.llm_engine
+    real_step, steps = core.step, []
 
     def step():
         steps.append(1)
@@ -317,16 +313,14 @@ def test_out_of_memory_while_generating_keeps_the_finished_rows_and_the_retry_ha
         return real_step()
 
     with monkeypatch.context() as m:
-        m.setattr(engine, "step", step)
-        real_init = eng.Feeder.__init__
-        m.setattr(eng.Feeder, "__init__", lambda self, llm, params, window=None: real_init(self, llm, params, 2))
+        m.setattr(core, "step", step)
         with pytest.raises(OutOfMemory, match="out of memory during generation"):
-            run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", llm=llm)
-    assert llm.llm_engine.get_num_unfinished_requests() == 0, "the failed feed's requests were aborted"
+            run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", engine, window=2)
+    assert engine.llm.llm_engine.get_num_unfinished_requests() == 0, "the failed feed's requests were aborted"
     saved = part_rows(tmp_path / "out" / "checkpoints" / "00000")
     assert saved > 0, "rows finished before the failure are saved"
-    used = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
-    table, stats = run(tmp_path, config, manifest, "00000", llm)
+    used = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    table, stats = run(tmp_path, config, manifest, "00000", engine)
     assert table.column("row_index").to_pylist() == list(range(16)) and stats["rows_resumed"] == saved
     (failure,) = stats["memory_failures"]
     assert failure["kind"] == "out_of_memory" and failure["stage"] == "generation"
@@ -339,13 +333,13 @@ def test_a_job_on_gpus_it_cannot_use_stops_before_the_model_loads(tmp_path, mode
     """On the CUDA build, a job that got one GPU for a tensor-parallel 2 model: stopped with both named,
     before the engine (which would load the weights) is created."""
     from shardgen import gpus
-    from shardgen.generate import WrongGpus
+    from shardgen.engine import WrongGpus
 
     config, manifest = plan(tmp_path, make_rows(4), model={"tensor_parallel_size": 2})
     h100 = gpus.make_gpu("NVIDIA H100 80GB HBM3", index=0, memory_mib=81559, compute_capability="9.0")
     monkeypatch.setattr(eng, "vllm_build", lambda: "cuda")
     monkeypatch.setattr(gpus, "describe_gpus", lambda *a, **k: [h100])
-    monkeypatch.setattr(eng, "make_llm", lambda cfg: pytest.fail("the engine was started"))
+    monkeypatch.setattr(Engine, "start", lambda self, settings: pytest.fail("the engine was started"))
     with pytest.raises(WrongGpus, match=r"sees 1 GPU\(s\) \(NVIDIA H100 80GB HBM3.*tensor_parallel_size × .* = 2"):
         run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json")
     log = (tmp_path / "out" / "checkpoints" / "00000" / "attempts.jsonl").read_text().splitlines()

@@ -13,15 +13,15 @@ import pytest
 
 from shardgen.cli import main
 from shardgen.plan import write_manifest
-from tests.conftest import base_config, make_rows, write_parquet
-from tests.integration.workflow import run_workflow, slurm_available, workflow_config
+from tests.conftest import base_config, changed, make_rows, write_parquet
+from tests.integration.workflow import run_workflow, workflow_config
 
 
 def preflight(tmp_path, capsys, rows=None, id_column=None, **overrides) -> tuple[int, str]:
     """Plan ``rows`` and run ``shardgen preflight``; return its exit status and stderr."""
     data = write_parquet(tmp_path / "in.parquet", rows if rows is not None else make_rows(40))
     config = base_config({"parquet": [str(data)], "id_column": id_column}, **overrides)
-    (tmp_path / "c.json").write_text(json.dumps(config))
+    (tmp_path / "c.json").write_text(json.dumps(config.raw))
     write_manifest(config, tmp_path / "m.json")
     capsys.readouterr()
     rc = main(["preflight", "--config", str(tmp_path / "c.json"), "--manifest", str(tmp_path / "m.json"),
@@ -117,12 +117,12 @@ def test_an_empty_dataset_is_an_error_unless_allowed(tmp_path, capsys):
     empty = tmp_path / "in.parquet"
     pq.write_table(pa.table({"id": pa.array([], pa.string()), "topic": pa.array([], pa.string())}), empty)
     config = base_config({"parquet": [str(empty)]})
-    (tmp_path / "c.json").write_text(json.dumps(config))
+    (tmp_path / "c.json").write_text(json.dumps(config.raw))
     args = ["plan", "--config", str(tmp_path / "c.json"), "--manifest", str(tmp_path / "m.json")]
     assert main(args) == 2
     assert "has no rows; nothing to generate. Set input.allow_empty: true" in capsys.readouterr().err
-    config["input"]["allow_empty"] = True
-    (tmp_path / "c.json").write_text(json.dumps(config))
+    config = changed(config, "input", allow_empty=True)
+    (tmp_path / "c.json").write_text(json.dumps(config.raw))
     assert main(args) == 0
     out, stats = tmp_path / "out.parquet", tmp_path / "stats.json"
     assert main(["merge", "--config", str(tmp_path / "c.json"), "--manifest", str(tmp_path / "m.json"),
@@ -161,7 +161,7 @@ def test_a_bad_input_file_is_named_at_planning(tmp_path, capsys, kind):
         bad.write_bytes(good.read_bytes())
         bad.chmod(0)
     config = base_config({"parquet": [str(good), str(bad)]})
-    (tmp_path / "c.json").write_text(json.dumps(config))
+    (tmp_path / "c.json").write_text(json.dumps(config.raw))
     args = ["plan", "--config", str(tmp_path / "c.json"), "--manifest", str(tmp_path / "m.json")]
     if kind == "unreadable" and os.geteuid() == 0:
         # root reads any file: plan without the capabilities that allow it
@@ -202,9 +202,7 @@ def _slurm_jobs() -> set[str]:
 
 @pytest.mark.slurm
 @pytest.mark.parametrize("case", sorted(SLURM_CASES))
-def test_a_mistake_stops_the_slurm_run_before_any_job_is_submitted(tmp_path, model_dir, case):
-    if not slurm_available():
-        pytest.fail("the local Slurm cluster is not running: run `make slurm`")
+def test_a_mistake_stops_the_slurm_run_before_any_job_is_submitted(tmp_path, model_dir, case, slurm_cluster):
     change, message = SLURM_CASES[case]
     rows = make_rows(12)
     rows[9]["id"] = rows[1]["id"]

@@ -39,7 +39,7 @@ def planned(tmp_path, rows, **overrides):
     return config, manifest
 
 
-def run_all(tmp_path, config, manifest, llm, tag="s") -> list:
+def run_all(tmp_path, config, manifest, engine, tag="s") -> list:
     shards = json.loads(manifest.read_text())["shards"]
     for s in shards:
         run_shard(
@@ -48,7 +48,7 @@ def run_all(tmp_path, config, manifest, llm, tag="s") -> list:
             s["id"],
             tmp_path / tag / f"{s['id']}.parquet",
             tmp_path / tag / f"{s['id']}.stats.json",
-            llm=llm,
+            engine,
         )
     return shards
 
@@ -57,7 +57,7 @@ def review_rows(n: int) -> list[dict]:
     return [{"id": f"r{i:03d}", "text": REVIEWS[i % len(REVIEWS)]} for i in range(n)]
 
 
-def test_json_schema_output_parses_for_every_row_into_typed_columns(tmp_path, llm):
+def test_json_schema_output_parses_for_every_row_into_typed_columns(tmp_path, engine):
     schema = {
         "type": "object",
         "properties": {
@@ -75,7 +75,7 @@ def test_json_schema_output_parses_for_every_row_into_typed_columns(tmp_path, ll
         sampling={"temperature": 0.0, "max_tokens": 60, "structured_outputs": {"json": schema}},
         shards={"rows_per_shard": 6},
     )
-    run_all(tmp_path, config, manifest, llm)
+    run_all(tmp_path, config, manifest, engine)
     table = pq.read_table(tmp_path / "s" / "00000.parquet")
     assert table.column("error").to_pylist() == [None] * 6, table.column("error").to_pylist()
     parsed = table.column("parsed").to_pylist()
@@ -85,7 +85,7 @@ def test_json_schema_output_parses_for_every_row_into_typed_columns(tmp_path, ll
         assert record["sentiment"] in {"positive", "negative", "neutral"} and 1 <= record["stars"] <= 5
 
 
-def test_choice_labels_are_always_a_choice_with_probabilities_summing_to_one(tmp_path, llm):
+def test_choice_labels_are_always_a_choice_with_probabilities_summing_to_one(tmp_path, engine):
     labels = ["positive", "negative", "neutral"]
     config, manifest = planned(
         tmp_path,
@@ -98,7 +98,7 @@ def test_choice_labels_are_always_a_choice_with_probabilities_summing_to_one(tmp
         output={"choice_probs": True},
         shards={"rows_per_shard": 12},
     )
-    run_all(tmp_path, config, manifest, llm)
+    run_all(tmp_path, config, manifest, engine)
     rows = pq.read_table(tmp_path / "s" / "00000.parquet").to_pylist()
     for r in rows:
         assert r["error"] is None and r["label"] in labels and r["generation"].strip() == r["label"]
@@ -109,14 +109,14 @@ def test_choice_labels_are_always_a_choice_with_probabilities_summing_to_one(tmp
     assert len({round(r["choice_probs"]["negative"], 6) for r in rows}) >= 3
 
 
-def test_three_samples_per_row_are_kept_as_rows_and_merge_counts_them(tmp_path, llm):
+def test_three_samples_per_row_are_kept_as_rows_and_merge_counts_them(tmp_path, engine):
     config, manifest = planned(
         tmp_path,
         make_rows(10),
         sampling={"temperature": 1.0, "max_tokens": 6, "n": 3, "seed": 11},
         shards={"rows_per_shard": 6},
     )
-    run_all(tmp_path, config, manifest, llm)
+    run_all(tmp_path, config, manifest, engine)
     stats = merge(config, manifest, tmp_path / "s", tmp_path / "out.parquet", tmp_path / "stats.json")
     table = pq.read_table(tmp_path / "out.parquet")
     assert table.num_rows == 30 and stats["rows"] == 10 and stats["output_rows"] == 30
@@ -127,7 +127,7 @@ def test_three_samples_per_row_are_kept_as_rows_and_merge_counts_them(tmp_path, 
     assert stats["generated_tokens"] == sum(table.column("generated_tokens").to_pylist())
 
 
-def test_samples_as_a_list_keep_one_row_per_input_row(tmp_path, llm):
+def test_samples_as_a_list_keep_one_row_per_input_row(tmp_path, engine):
     config, manifest = planned(
         tmp_path,
         make_rows(4),
@@ -135,7 +135,7 @@ def test_samples_as_a_list_keep_one_row_per_input_row(tmp_path, llm):
         output={"samples": "list"},
         shards={"rows_per_shard": 4},
     )
-    run_all(tmp_path, config, manifest, llm)
+    run_all(tmp_path, config, manifest, engine)
     table = pq.read_table(tmp_path / "s" / "00000.parquet")
     assert table.num_rows == 4 and [len(g) for g in table.column("generation").to_pylist()] == [2, 2, 2, 2]
 
@@ -143,7 +143,7 @@ def test_samples_as_a_list_keep_one_row_per_input_row(tmp_path, llm):
 SYSTEM = "You are a friendly storyteller who writes one vivid sentence about the topic you are given. " * 3
 
 
-def test_seeded_sampling_gives_the_same_text_across_runs_and_shard_sizes(tmp_path, llm):
+def test_seeded_sampling_gives_the_same_text_across_runs_and_shard_sizes(tmp_path, engine):
     # 48 chats of about 200 prompt tokens, sampled at temperature 0.9: the
     # size at which seeded sampling once killed vLLM's CPU engine (with
     # chunked prefill on; shardgen turns it off for seeded runs there).
@@ -158,7 +158,7 @@ def test_seeded_sampling_gives_the_same_text_across_runs_and_shard_sizes(tmp_pat
             sampling={"temperature": 0.9, "max_tokens": 12, "seed": 2024},
             shards={"rows_per_shard": rows_per_shard},
         )
-        shards = run_all(work, config, manifest, llm)
+        shards = run_all(work, config, manifest, engine)
         table = pa.concat_tables([pq.read_table(work / "s" / f"{s['id']}.parquet") for s in shards])
         texts[rows_per_shard] = dict(
             zip(table.column("id").to_pylist(), table.column("generation").to_pylist(), strict=True)
@@ -173,12 +173,12 @@ def test_seeded_sampling_gives_the_same_text_across_runs_and_shard_sizes(tmp_pat
         sampling={"temperature": 0.9, "max_tokens": 12, "seed": 2024},
         shards={"rows_per_shard": 13},
     )
-    run_shard(config, manifest, "00001", tmp_path / "again.parquet", tmp_path / "again.json", llm=llm)
+    run_shard(config, manifest, "00001", tmp_path / "again.parquet", tmp_path / "again.json", engine)
     again = pq.read_table(tmp_path / "again.parquet").to_pylist()
     assert {r["id"]: r["generation"] for r in again} == {r["id"]: texts[48][r["id"]] for r in again}
 
 
-def test_a_messages_column_dataset_with_few_shot_turns_works(tmp_path, llm):
+def test_a_messages_column_dataset_with_few_shot_turns_works(tmp_path, engine):
     rows = [
         {"id": "a", "chat": [{"role": "user", "content": "Name a color."}]},
         {
@@ -204,7 +204,7 @@ def test_a_messages_column_dataset_with_few_shot_turns_works(tmp_path, llm):
         errors={"max_rate": 0.5},
     )
     write_manifest(config, tmp_path / "m.json")
-    stats = run_shard(config, tmp_path / "m.json", "00000", tmp_path / "o.parquet", tmp_path / "o.json", llm=llm)
+    stats = run_shard(config, tmp_path / "m.json", "00000", tmp_path / "o.parquet", tmp_path / "o.json", engine)
     out = pq.read_table(tmp_path / "o.parquet").to_pylist()
     assert [r["error"] for r in out] == [None, None, "null_value: column 'chat' is null"]
     assert out[0]["generation"].strip() and out[1]["generation"].strip()

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import TEST_MODEL_CFG, make_rows, write_parquet
-from tests.integration.workflow import dry_run_jobs, run_workflow, slurm_available, workflow_config
+from tests.integration.workflow import dry_run_jobs, run_workflow, workflow_config
 
 pytestmark = pytest.mark.engine
 
@@ -49,9 +49,7 @@ def check_output(workdir, ids: list[str]) -> tuple:
 
 
 @pytest.mark.slurm
-def test_slurm_profile_runs_one_gpu_job_per_shard_and_merges_every_parsed_row_once(tmp_path):
-    if not slurm_available():
-        pytest.fail("no Slurm cluster: run `make slurm` (scripts/slurm-up.sh) first")
+def test_slurm_profile_runs_one_gpu_job_per_shard_and_merges_every_parsed_row_once(tmp_path, slurm_cluster):
     sizes, files, start = [12, 8], [], 0
     for i, n in enumerate(sizes):
         files.append(str(write_parquet(tmp_path / "data" / f"part-{i}.parquet", make_rows(n, start))))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -16,13 +15,6 @@ import yaml
 from tests.conftest import ROOT, TEST_MODEL_CFG
 
 BIN = Path(sys.executable).parent
-
-
-def slurm_available() -> bool:
-    if not shutil.which("sinfo"):
-        return False
-    r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
-    return r.returncode == 0 and any(s in r.stdout for s in ("idle", "mix", "alloc"))
 
 
 def workflow_config(inputs: dict[str, Any], **sections: Any) -> dict[str, Any]:

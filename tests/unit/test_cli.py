@@ -14,7 +14,7 @@ from tests.conftest import base_config
 
 def test_plan_writes_the_manifest_from_a_config_file(parquet_files, tmp_path):
     config = base_config({"parquet": [str(f) for f in parquet_files]})
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(dict(config.raw)))
     assert main(["plan", "--config", str(tmp_path / "c.yaml"), "--manifest", str(tmp_path / "m.json")]) == 0
     assert len(json.loads((tmp_path / "m.json").read_text())["shards"]) == 4
 
@@ -32,7 +32,7 @@ def test_a_bad_config_is_one_line_naming_the_key_and_exit_status_2(tmp_path, cap
 
 def generate_args(tmp_path, parquet_files) -> list[str]:
     config = base_config({"parquet": [str(f) for f in parquet_files]}, output={"dir": str(tmp_path / "out")})
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(dict(config.raw)))
     main(["plan", "--config", str(tmp_path / "c.yaml"), "--manifest", str(tmp_path / "m.json")])
     files = ["--config", tmp_path / "c.yaml", "--manifest", tmp_path / "m.json", "--shard", "00000"]
     return ["generate", *map(str, files), "--output", str(tmp_path / "s.parquet"), "--stats", str(tmp_path / "s.json")]

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardgen import config as cfg
+from shardgen import trust
 from shardgen.errors import ConfigError
 from tests.conftest import ROOT
 
@@ -339,7 +340,7 @@ def test_the_unsafe_engine_argument_names_are_engine_arguments_of_the_installed_
     from vllm.engine.arg_utils import EngineArgs
 
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
-    named = set(cfg.UNSAFE_ENGINE_ARGS) | set(cfg._SAFE_VALUES) | set(cfg._UNSAFE_SUBKEYS)
+    named = set(trust.UNSAFE_ENGINE_ARGS) | set(trust.SAFE_VALUES) | set(trust.UNSAFE_SUBKEYS)
     assert named - fields == set(), "every name must be a field of vLLM's EngineArgs"
 
 
@@ -389,7 +390,7 @@ def test_a_file_that_is_not_a_json_schema_is_refused_before_its_content_reaches_
 def test_provenance_shows_a_json_schema_by_its_digest_not_its_content():
     schema = {"type": "object", "properties": {"secret_field_name": {"type": "string"}}}
     c = cfg.validate(minimal() | {"sampling": {"structured_outputs": {"json": schema}, "max_tokens": 9}})
-    published = cfg.published_sampling(c["sampling"])
+    published = trust.published_sampling(c["sampling"])
     assert published["structured_outputs"] == {"json": {"digest": cfg.digest(schema)}}
     assert published["max_tokens"] == 9 and "secret_field_name" not in str(published)
 
@@ -425,15 +426,12 @@ def test_greedy_sampling_with_several_samples_warns():
 
 
 def test_a_controller_without_vllm_asks_the_shardgen_on_path_for_the_engine_version(tmp_path, monkeypatch):
-    from importlib import metadata
-
-    def missing(dist):
-        raise metadata.PackageNotFoundError(dist)
+    from shardgen import installed
 
     fake = tmp_path / "shardgen"
     fake.write_text('#!/bin/sh\n[ "$SHARDGEN_ENGINE_PROBE" = 1 ] && [ "$1" = engine-version ] && echo 9.9.9\n')
     fake.chmod(0o755)
-    monkeypatch.setattr(cfg.metadata, "version", missing)
+    monkeypatch.setattr(installed, "vllm", lambda: None)  # no vLLM in this environment
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     cfg.engine_version.cache_clear()
     try:
@@ -443,3 +441,19 @@ def test_a_controller_without_vllm_asks_the_shardgen_on_path_for_the_engine_vers
         assert cfg.engine_version() == "unknown"
     finally:
         cfg.engine_version.cache_clear()
+
+
+def test_the_typed_config_has_a_field_for_every_key_of_its_schema_section_and_no_other():
+    import dataclasses
+
+    for section, cls in cfg.SECTIONS.items():
+        fields = {f.name for f in dataclasses.fields(cls)}
+        assert fields == set(cfg.schema()["properties"][section]["properties"]), section
+    assert set(cfg.SECTIONS) | {"model", "sampling"} == set(cfg.schema()["properties"])
+    # defaults come from the schema, through validation, whatever the dataclass says
+    run = cfg.RunConfig.from_dict(minimal())
+    for section in cfg.SECTIONS:
+        typed = dataclasses.asdict(getattr(run, section))
+        for key, value in run.raw[section].items():  # keys with no default (input.hf, ...) may be absent
+            assert typed[key] == (tuple(value) if isinstance(value, list) else value), f"{section}.{key}"
+    assert run.model.gpus == 1 and run.sampling.max_tokens == 256 and dict(run.model) == run.raw["model"]

@@ -95,6 +95,13 @@ def cfg(cache: Path, **model) -> dict:
     return {"model": REPO, "revision": None, "tokenizer": None, "download_dir": str(cache), **model}
 
 
+def run_config(model: dict):
+    """A run whose model section is ``model``."""
+    from shardgen.config import RunConfig
+
+    return RunConfig.from_dict({"input": {"parquet": ["x.parquet"]}, "prompt": {"template": "{{ t }}"}, "model": model})
+
+
 # -- No network ------------------------------------------------------------------------------------
 
 
@@ -248,7 +255,7 @@ def test_the_token_never_appears_in_the_record_the_written_json_or_the_printed_l
 ):
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     out = tmp_path / "results" / "plan" / "model.json"
-    assert main_fetch({"model": cfg(hf_cache)}, out) == 0
+    assert main_fetch(run_config(cfg(hf_cache)), out) == 0
     text = out.read_text()
     assert TOKEN not in text and TOKEN not in json.dumps(resolve_model(cfg(hf_cache)))
     assert json.loads(text)["commit"] == COMMIT
@@ -272,6 +279,6 @@ def test_the_token_is_scrubbed_from_a_download_error_message(tmp_path, monkeypat
 def test_main_fetch_replaces_the_record_atomically(hf_cache, tmp_path, network_attempts):
     out = tmp_path / "model.json"
     out.write_text("stale")
-    main_fetch({"model": cfg(hf_cache)}, out)
+    main_fetch(run_config(cfg(hf_cache)), out)
     assert json.loads(out.read_text())["source"] == "cache"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".model.json")] == []

@@ -8,10 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen.config import content_fingerprint
 from shardgen.errors import MergeError
 from shardgen.merge import merge as merge_files
-from shardgen.outputs import PROVENANCE_KEY, output_schema
+from shardgen.outputs import PROVENANCE_KEY
 from shardgen.results import ResultSpec
 from tests.conftest import base_config
 
@@ -43,9 +42,9 @@ def merge(*args, **output):
 def write_shard(shard_dir, shard_id, indexes, config_fp=None, samples=1):
     """A shard file as a generate job writes it, made with ``config()`` unless ``config_fp`` says otherwise."""
     shard_dir.mkdir(parents=True, exist_ok=True)
-    config_fp = config_fp or content_fingerprint(config())
-    spec = ResultSpec({"n": samples}, {"samples": "rows"})
-    schema = output_schema(INPUT, f"fp-{shard_id}", config_fp, shard_id, spec.fields(), spec.rows_per_input)
+    config_fp = config_fp or config().fingerprint
+    spec = ResultSpec({"n": samples}, samples="rows")
+    schema = spec.schema(INPUT, f"fp-{shard_id}", config_fp, shard_id)
     rows = [
         {
             "text": f"t{i}",
@@ -153,7 +152,7 @@ def test_each_output_format_loads_back_with_its_provenance(tmp_path):
 
     complete(tmp_path)
     plan = write_plan(tmp_path)
-    fp = content_fingerprint(config())
+    fp = config().fingerprint
     merge(plan, tmp_path / "shards", tmp_path / "out.parquet", tmp_path / "s1.json")
     meta = pq.read_schema(tmp_path / "out.parquet").metadata
     prov = json.loads(meta[PROVENANCE_KEY])

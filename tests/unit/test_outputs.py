@@ -7,7 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardgen.errors import InputError
-from shardgen.outputs import ShardCheckpoint, output_schema
+from shardgen.outputs import ShardCheckpoint
+from shardgen.results import ResultSpec
 
 INPUT = pa.schema([pa.field("text", pa.string())])
 
@@ -28,7 +29,7 @@ def rows(indexes) -> list[dict]:
 
 
 def checkpoint(tmp_path, fingerprint="fp1", start=10, stop=20) -> ShardCheckpoint:
-    return ShardCheckpoint(tmp_path / "ck", start, stop, output_schema(INPUT, fingerprint, "cfg", "00001"))
+    return ShardCheckpoint(tmp_path / "ck", start, stop, ResultSpec({}).schema(INPUT, fingerprint, "cfg", "00001"))
 
 
 def test_a_restarted_shard_resumes_the_rows_of_its_parts(tmp_path):
@@ -81,7 +82,7 @@ def test_commit_refuses_an_incomplete_shard(tmp_path):
 
 
 def test_the_error_budget_fails_as_soon_as_the_final_rate_must_exceed_the_limit():
-    from shardgen.generate import ErrorBudget, TooManyErrors
+    from shardgen.feed import ErrorBudget, TooManyErrors
 
     budget = ErrorBudget("00007", rows=20, max_rate=0.1)  # 2 errors allowed
     budget.add(3, "null_value: column 'x' is null")
@@ -104,7 +105,7 @@ def test_a_symlinked_checkpoint_directory_is_refused_and_nothing_in_its_target_i
     (other / "00001" / "notes.txt").write_text("keep me")
     results.mkdir()
     (results / "checkpoints").symlink_to(other)
-    schema = output_schema(INPUT, "fp1", "cfg", "00001")
+    schema = ResultSpec({}).schema(INPUT, "fp1", "cfg", "00001")
     ck = ShardCheckpoint(results / "checkpoints" / "00001", 10, 20, schema, below=results)
     with pytest.raises(UnsafePath, match="symlink"):
         ck.resume()
@@ -122,7 +123,7 @@ def test_files_shardgen_did_not_write_are_left_alone_through_resume_and_commit(t
     for name, data in foreign.items():
         (tmp_path / "ck" / name).write_bytes(data)
     # a part of another shard, with shardgen's exact name: not this shard's to take or remove
-    other = ShardCheckpoint(tmp_path / "elsewhere", 0, 10, output_schema(INPUT, "fp1", "cfg", "00000"))
+    other = ShardCheckpoint(tmp_path / "elsewhere", 0, 10, ResultSpec({}).schema(INPUT, "fp1", "cfg", "00000"))
     other.flush(rows(range(0, 2)))
     (tmp_path / "elsewhere" / "part-000000.parquet").rename(tmp_path / "ck" / "part-000007.parquet")
     again = checkpoint(tmp_path)

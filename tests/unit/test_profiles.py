@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -370,17 +369,8 @@ def test_slurm_extra_example_of_the_profile_passes_the_plugins_check():
     assert "--signal=TERM@300" in call
 
 
-def _slurm_available() -> bool:
-    if not shutil.which("sinfo"):
-        return False
-    r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True)
-    return r.returncode == 0 and any(s in r.stdout for s in ("idle", "mix", "alloc"))
-
-
 @pytest.mark.slurm
-def test_local_slurm_accepts_the_flags_of_the_slurm_profile_without_submitting(tmp_path):
-    if not _slurm_available():
-        pytest.fail("no Slurm cluster: run `make slurm` (scripts/slurm-up.sh) first")
+def test_local_slurm_accepts_the_flags_of_the_slurm_profile_without_submitting(tmp_path, slurm_cluster):
     call = sbatch_flags({"slurm_partition": "debug"}, gpus=2)
     assert call.startswith("sbatch ")
     cmd = "sbatch --test-only" + call[len("sbatch") :] + " --wrap true"

@@ -25,7 +25,6 @@ import yaml
 from shardgen import config as cfg
 from shardgen.errors import ShardgenError
 from shardgen.merge import merge
-from shardgen.outputs import output_schema
 from shardgen.plan import Manifest, write_manifest
 from shardgen.report import FILES, length_counts, make_plots, plot_token_lengths, totals
 from shardgen.results import ResultSpec
@@ -405,21 +404,20 @@ def finished_run(workdir: Path) -> Path:
     old = os.getcwd()
     os.chdir(workdir)  # input paths are relative to the working directory, as in a run
     try:
-        write_manifest(resolved, results / "plan" / "manifest.json")
+        write_manifest(cfg.RunConfig.from_dict(resolved), results / "plan" / "manifest.json")
     finally:
         os.chdir(old)
     manifest = Manifest.load(results / "plan" / "manifest.json")
     (results / "plan" / "preflight.json").write_text(json.dumps({"ok": True, "problems": []}))
     (results / "shards").mkdir()
-    fields = ResultSpec(resolved["sampling"], resolved["output"]).fields()
+    spec = ResultSpec.of(cfg.RunConfig.from_dict(resolved))
     input_rows, rng = make_rows(30), random.Random(7)
     for shard in manifest.shards:
-        schema = output_schema(
+        schema = spec.schema(
             pq.read_schema(workdir / "data" / "part-0.parquet"),
             fingerprint="fp",
             config_fingerprint=cfg.content_fingerprint(resolved),
             shard_id=shard.id,
-            result_fields=fields,
         )
         rows = [
             {
@@ -437,7 +435,7 @@ def finished_run(workdir: Path) -> Path:
         stats = shard_stats(int(shard.id), shard.rows, rng)
         (results / "shards" / f"{shard.id}.stats.json").write_text(json.dumps(stats))
     merge(
-        resolved,
+        cfg.RunConfig.from_dict(resolved),
         results / "plan" / "manifest.json",
         results / "shards",
         results / "output.parquet",

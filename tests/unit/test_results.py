@@ -29,7 +29,7 @@ def table(spec: ResultSpec, rows: list[dict]) -> pa.Table:
 
 
 def test_the_plain_result_columns_are_the_documented_ones():
-    assert ResultSpec({}, {}).names == [
+    assert ResultSpec({}).names == [
         "row_index",
         "generation",
         "finish_reason",
@@ -40,7 +40,7 @@ def test_the_plain_result_columns_are_the_documented_ones():
 
 
 def test_several_samples_as_rows_give_one_row_per_sample_with_its_index():
-    spec = ResultSpec({"n": 3}, {"samples": "rows"})
+    spec = ResultSpec({"n": 3}, samples="rows")
     assert spec.rows_per_input == 3 and "sample_index" in spec.names
     rows = spec.rows(ROW, 7, 5, [Sample(f"s{i}", "stop", i + 1) for i in range(3)])
     assert [(r["row_index"], r["sample_index"], r["generation"]) for r in rows] == [
@@ -57,7 +57,7 @@ def test_several_samples_as_rows_give_one_row_per_sample_with_its_index():
 
 
 def test_several_samples_as_a_list_give_one_row_with_list_columns():
-    spec = ResultSpec({"n": 2}, {"samples": "list"})
+    spec = ResultSpec({"n": 2}, samples="list")
     assert spec.rows_per_input == 1 and "sample_index" not in spec.names
     (row,) = spec.rows(ROW, 0, 5, [Sample("a", "stop", 1), Sample("bb", "length", 2)])
     t = table(spec, [row])
@@ -76,7 +76,7 @@ def test_json_schemas_become_typed_struct_columns():
 
 
 def test_a_generation_that_parses_fills_the_parsed_column_and_one_that_does_not_is_a_row_error():
-    spec = ResultSpec({"structured_outputs": {"json": SCHEMA}}, {})
+    spec = ResultSpec({"structured_outputs": {"json": SCHEMA}})
     good = '{"sentiment": "positive", "score": 4, "tags": ["a"], "extra": 2.5}'
     (row,) = spec.rows(ROW, 0, 5, [Sample(good, "stop", 20)])
     assert row["error"] is None
@@ -90,7 +90,7 @@ def test_a_generation_that_parses_fills_the_parsed_column_and_one_that_does_not_
 
 
 def test_a_label_outside_the_choices_is_a_row_error():
-    spec = ResultSpec({"structured_outputs": {"choice": ["yes", "no"]}}, {})
+    spec = ResultSpec({"structured_outputs": {"choice": ["yes", "no"]}})
     (ok,) = spec.rows(ROW, 0, 5, [Sample(" yes", "stop", 1)])
     (bad,) = spec.rows(ROW, 1, 5, [Sample("maybe", "stop", 1)])
     assert ok["label"] == "yes" and ok["error"] is None
@@ -98,7 +98,9 @@ def test_a_label_outside_the_choices_is_a_row_error():
 
 
 def test_choice_probabilities_are_a_softmax_of_the_labels_first_tokens_and_sum_to_one():
-    spec = ResultSpec({"structured_outputs": {"choice": ["yes", "no", "unsure"]}}, {"choice_probs": True}, [11, 22, 33])
+    spec = ResultSpec(
+        {"structured_outputs": {"choice": ["yes", "no", "unsure"]}}, choice_probs=True, choice_token_ids=[11, 22, 33]
+    )
     first = {11: math.log(0.6), 22: math.log(0.2), 33: math.log(0.1), 99: math.log(0.1)}
     (row,) = spec.rows(ROW, 0, 5, [Sample("yes", "stop", 1, first_logprobs=first)])
     probs = row["choice_probs"]
@@ -121,7 +123,7 @@ def test_labels_sharing_their_first_token_are_refused():
 
 
 def test_top_logprobs_are_kept_per_position():
-    spec = ResultSpec({"logprobs": 2}, {})
+    spec = ResultSpec({"logprobs": 2})
     lp = [[(5, "Hi", -0.1), (6, "Hey", -2.5)], [(7, "!", -0.3), (8, ".", -1.5)]]
     (row,) = spec.rows(ROW, 0, 5, [Sample("Hi!", "stop", 2, logprobs=lp)])
     t = table(spec, [row])
@@ -129,6 +131,6 @@ def test_top_logprobs_are_kept_per_position():
 
 
 def test_a_list_mode_error_names_the_sample():
-    spec = ResultSpec({"n": 2, "structured_outputs": {"choice": ["a", "b"]}}, {"samples": "list"})
+    spec = ResultSpec({"n": 2, "structured_outputs": {"choice": ["a", "b"]}}, samples="list")
     (row,) = spec.rows(ROW, 0, 5, [Sample("a", "stop", 1), Sample("c", "stop", 1)])
     assert row["label"] == ["a", None] and row["error"].startswith("sample 1: invalid_choice")

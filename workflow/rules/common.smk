@@ -4,16 +4,22 @@ import shlex
 from pathlib import Path
 
 from shardgen import config as shardgen_config
-from shardgen.merge import output_path
+from shardgen.formats import output_path
+from shardgen.io import restrict_umask
 from shardgen.runlock import RunLock
 from shardgen.sources import input_signature
 from shardgen.stats import summary_text
 
-OUT = config["output"]["dir"]
+# Files this run creates (its config and lock here, the rules' outputs and
+# logs in the commands, which inherit the umask) get no permissions for other
+# users unless output.world_readable: the outputs carry the input's columns.
+restrict_umask(RUN.output.world_readable)
+
+OUT = RUN.output.dir
 PLAN_DIR = f"{OUT}/plan"
 SHARD_DIR = f"{OUT}/shards"
 LOG_DIR = f"{OUT}/logs"
-MERGED = output_path(config)
+MERGED = output_path(OUT, RUN.output.format)
 MODEL_RECORD = f"{PLAN_DIR}/model.json"
 # The validated config with defaults filled, which the shardgen commands
 # read: rules pass its path, never a config value. Written while the workflow
@@ -23,15 +29,8 @@ MODEL_RECORD = f"{PLAN_DIR}/model.json"
 # config change would, through Snakemake's masking of downstream jobs, hide
 # which shards a change of sampling must rerun.)
 CONFIG_JSON = shardgen_config.write_resolved(config, PLAN_DIR)
-GPUS = shardgen_config.gpus_per_job(config)
-PER_JOB = config["shards"]["per_job"]
-
-
-# Files the rules' commands create (logs included) get no permissions for
-# other users unless output.world_readable: the outputs carry the input's columns.
-if not config["output"]["world_readable"]:
-
-    shell.prefix("set -euo pipefail; umask o=; ")
+GPUS = RUN.model.gpus
+PER_JOB = RUN.shards.per_job
 
 
 def run_config(wildcards, output):
@@ -44,9 +43,7 @@ def run_config(wildcards, output):
 def lock_output_dir():
     """Hold output.dir for this run (onstart); refuses when another run holds it."""
     global RUN_LOCK
-    RUN_LOCK = RunLock.acquire(
-        OUT, Path.cwd(), shardgen_config.content_fingerprint(config)
-    )
+    RUN_LOCK = RunLock.acquire(OUT, Path.cwd(), RUN.fingerprint)
 
 
 wildcard_constraints:
@@ -94,7 +91,7 @@ def generate_outputs(wildcards, output):
 def generate_runtime(wildcards, attempt):
     """Minutes: the configured limit per shard of the job, growing with each retry."""
     shards = len(job_shards()[wildcards.job]) if "job" in wildcards.keys() else 1
-    return config["resources"]["runtime"] * shards * attempt
+    return RUN.resources.runtime * shards * attempt
 
 
 def slurm_signal(wildcards, attempt):

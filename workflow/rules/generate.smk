@@ -15,15 +15,15 @@ rule generate_shard:
     conda:
         "../envs/generate.yaml"
     container:
-        config["software"]["container"]
-    threads: config["resources"]["cpus_per_task"]
+        RUN.software.container
+    threads: RUN.resources.cpus_per_task
     resources:
         # all GPUs of a job on one node, one vLLM process that sees them all
         gpu=GPUS,
         tasks_per_gpu=0,
         nodes=1,
-        cpus_per_task=config["resources"]["cpus_per_task"],
-        mem_mb=config["resources"]["mem_mb"],
+        cpus_per_task=RUN.resources.cpus_per_task,
+        mem_mb=RUN.resources.mem_mb,
         runtime=generate_runtime,
         slurm_extra=slurm_signal,
     params:
@@ -31,7 +31,7 @@ rule generate_shard:
         # a parameter, not an input: fetching again (a new download_dir) reruns no shard
         model_record=MODEL_RECORD,
         # rerun when anything that decides the generated text changes
-        fingerprint=shardgen_config.content_fingerprint(config),
+        fingerprint=RUN.fingerprint,
         shards=shards_of,
         # quoted paths only
         outputs=generate_outputs,

@@ -7,7 +7,7 @@ rule merge_shards:
         manifest=rules.plan_shards.output.manifest,
     output:
         # output.parquet, output.jsonl, or the directory output/ (output.format)
-        dataset=MERGED if config["output"]["format"] != "hf" else directory(MERGED),
+        dataset=MERGED if RUN.output.format != "hf" else directory(MERGED),
         stats=f"{OUT}/stats.json",
     log:
         f"{LOG_DIR}/merge_shards.log",

@@ -14,7 +14,7 @@ checkpoint plan_shards:
         config=run_config,
         # replanned when the input (its config, or a file of it) or the sharding changes
         plan=shardgen_config.digest(
-            [config["input"], config["shards"], input_signature(config["input"])]
+            [RUN.raw["input"], RUN.raw["shards"], input_signature(RUN.input)]
         ),
     shell:
         "shardgen plan --config {params.config:q} --manifest {output.manifest:q} 2>&1 | tee {log:q}"
@@ -34,7 +34,7 @@ rule fetch_model:
         config=run_config,
         # fetched again when the model changes (which reruns every shard anyway)
         model=shardgen_config.digest(
-            {k: config["model"].get(k) for k in ("model", "revision", "tokenizer")}
+            {k: RUN.model.get(k) for k in ("model", "revision", "tokenizer")}
         ),
     shell:
         "shardgen fetch-model --config {params.config:q} --output {output.record:q} 2>&1 | tee {log:q}"

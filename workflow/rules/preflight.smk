@@ -13,11 +13,11 @@ rule preflight:
     conda:
         "../envs/generate.yaml"
     container:
-        config["software"]["container"]
+        RUN.software.container
     params:
         config=run_config,
         # rechecked when what it checks changes (which reruns every shard anyway)
-        checks=shardgen_config.content_fingerprint(config),
+        checks=RUN.fingerprint,
     shell:
         "shardgen preflight --config {params.config:q} --manifest {input.manifest:q}"
         " --model-record {input.model:q} --report {output.report:q} 2>&1 | tee {log:q}"

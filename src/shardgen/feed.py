@@ -1,0 +1,393 @@
+"""The feed of a shard's rows to the engine: prepared a small batch at a time, kept ahead of the
+engine, saved as they finish.
+
+Three layers, each with its own state:
+
+- ``prepared_requests``: the shard's remaining rows, rendered and tokenized
+  ``PREPARE_BATCH`` at a time (one call of the chat template and one of the
+  fast tokenizer per batch, several times cheaper per row than a call per
+  row), pulled only when the engine has room. With ``prompt.order: prefix``
+  a moving window of up to ``order_window`` prepared requests gives out the
+  one whose tokens sort first, so prompts that share a prefix are submitted
+  together and hit the prefix cache before it is evicted; the window fills
+  while the engine already runs, so nothing waits for a whole block.
+- ``Feeder``: keeps ``window`` requests in flight in the engine (more than its
+  ``max_num_seqs``, so its scheduler always has requests waiting), and yields
+  each completion as soon as it finishes. This is what ``LLM.generate`` does
+  internally (``add_request`` + ``step``), minus holding every prompt and
+  every output at once.
+- ``ShardFeed``: one shard's loop: the task turns completions into output
+  rows, finished rows are saved every ``checkpoint.rows`` rows or
+  ``checkpoint.seconds`` seconds, errors count against the error budget,
+  progress is reported, and SIGTERM/SIGINT stop it after a last save.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import heapq
+import itertools
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from shardgen.errors import RowError, ShardgenError, error_reason
+from shardgen.progress import progress_bar
+from shardgen.stats import AttemptCounters
+
+if TYPE_CHECKING:
+    from shardgen.engine import Tokenizer
+    from shardgen.generate import ShardJob
+    from shardgen.prompts import PromptRenderer
+    from shardgen.tasks import Task
+
+# Rows rendered and tokenized in one go: large enough that the batch calls pay off, small enough
+# that the first request goes out at once.
+PREPARE_BATCH = 64
+# How often a running shard rewrites its progress.json (what the tests and `shardgen status` read).
+PROGRESS_SECONDS = 5.0
+
+
+class TooManyErrors(ShardgenError):
+    """More than ``errors.max_rate`` of the shard's rows are per-row errors."""
+
+
+class ErrorBudget:
+    """Counts per-row errors and fails the shard as soon as the final rate must exceed ``max_rate``.
+
+    With ``rows`` rows in the shard, more than ``floor(max_rate * rows)`` errors
+    means the rate is above the limit whatever the remaining rows give, so the
+    shard stops there instead of spending GPU time on a lost cause.
+    """
+
+    def __init__(self, shard_id: str, rows: int, max_rate: float, errors: int = 0, first: str | None = None) -> None:
+        self.shard_id, self.rows, self.max_rate = shard_id, rows, max_rate
+        self.limit = int(max_rate * rows)
+        self.errors = errors
+        self.reasons: dict[str, int] = {}
+        self.first = first
+        self.check()
+
+    def add(self, index: int, error: str) -> None:
+        self.errors += 1
+        reason = error_reason(error)
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        if self.first is None:
+            self.first = f"row {index}: {error}"
+        self.check()
+
+    def check(self) -> None:
+        if self.errors > self.limit:
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.reasons.items()))
+            raise TooManyErrors(
+                f"shard {self.shard_id}: {self.errors} of its {self.rows} rows are errors, more than "
+                f"errors.max_rate {self.max_rate} allows ({self.limit})"
+                + (f" [{reasons}]" if reasons else "")
+                + f"; first: {self.first}. Fix the input or prompt.template (or raise errors.max_rate); "
+                "finished rows are kept for the next attempt"
+            )
+
+
+# -- Requests -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    """One row's prompt for the engine; ``key`` (the row's index) comes back with its completion."""
+
+    key: int
+    prompt_token_ids: list[int]
+    params: Any
+    row: dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+def prepared_requests(
+    rows: Iterator[tuple[int, dict[str, Any]]],
+    renderer: PromptRenderer,
+    tokenizer: Tokenizer,
+    task: Task,
+    on_error: Callable[[int, dict[str, Any], RowError], None],
+    order_window: int = 0,
+) -> Iterator[Request]:
+    """The rows as requests, prepared ``PREPARE_BATCH`` at a time as they are pulled.
+
+    A row that cannot become a prompt (a null value, a template error, too
+    long) goes to ``on_error`` instead. With ``order_window`` > 0, requests
+    come out of a moving window of up to that many prepared ones, smallest
+    prompt tokens first (prefix order).
+    """
+    batches = (_prepare(batch, renderer, tokenizer, task, on_error) for batch in _chunks(rows, PREPARE_BATCH))
+    if order_window <= 0:
+        for batch in batches:
+            yield from batch
+        return
+    heap: list[tuple[bytes, int, Request]] = []
+    seq = itertools.count()
+    exhausted = False
+    while True:
+        while not exhausted and len(heap) < order_window:
+            batch = next(batches, None)
+            if batch is None:
+                exhausted = True
+                break
+            for req in batch:
+                # token ids as fixed-width bytes: compared by memcmp, and requests that share a
+                # token prefix share a byte prefix, so they sort next to each other
+                heapq.heappush(heap, (array.array("I", req.prompt_token_ids).tobytes(), next(seq), req))
+            if heap:
+                break  # give the engine something now; the window fills on the next pulls
+        if not heap:
+            return
+        yield heapq.heappop(heap)[2]
+
+
+def _chunks(rows: Iterator[tuple[int, dict[str, Any]]], size: int) -> Iterator[list[tuple[int, dict[str, Any]]]]:
+    while chunk := list(itertools.islice(rows, size)):
+        yield chunk
+
+
+def _prepare(batch, renderer, tokenizer, task, on_error) -> list[Request]:
+    prompts, keep = [], []
+    for index, row in batch:
+        try:
+            prompts.append(renderer.render(row))
+            keep.append((index, row))
+        except RowError as e:
+            on_error(index, row, e)
+    out = []
+    for (index, row), ids in zip(keep, tokenizer.encode_batch(prompts), strict=True):
+        if isinstance(ids, RowError):
+            on_error(index, row, ids)
+        else:
+            out.append(Request(index, ids, task.params(index, row), row))
+    return out
+
+
+# -- The engine's queue ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Completion:
+    """A finished request: the engine's output and what it cost, or the error it got instead."""
+
+    key: int
+    row: dict[str, Any]
+    output: Any
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float | None
+    latency_s: float | None
+    error: RowError | None = None
+
+
+@dataclass
+class FeedStats:
+    """What the feed loop saw.
+
+    ``steps_short`` counts engine steps that ran with fewer than ``window``
+    requests in flight while more were still to come: each one is a moment
+    the engine's queue was not kept full. A saturated feed has none.
+    """
+
+    steps: int = 0
+    max_in_flight: int = 0
+    steps_short: int = 0
+
+
+class Feeder:
+    """Feeds an engine from an iterator of requests, keeping ``window`` requests in flight.
+
+    Args:
+        llm: a running ``vllm.LLM``.
+        window: requests kept unfinished in the engine; by default twice its
+            ``max_num_seqs``, so its scheduler always has waiting requests to
+            admit when a sequence finishes.
+    """
+
+    def __init__(self, llm: Any, window: int | None = None) -> None:
+        self._engine = llm.llm_engine
+        self._feed_id = ""
+        self.window = window or 2 * self._engine.vllm_config.scheduler_config.max_num_seqs
+        self.stats = FeedStats()
+
+    def _add(self, req: Request) -> str:
+        prompt = {"prompt_token_ids": req.prompt_token_ids}
+        renderer = getattr(self._engine, "renderer", None)
+        if renderer is not None and hasattr(renderer, "render_cmpl"):
+            (prompt,) = renderer.render_cmpl([prompt])
+        # Ids unique to this feed, so an engine shared by several feeds never
+        # hands one feed's output to another.
+        request_id = f"{self._feed_id}-{req.key}"
+        self._engine.add_request(request_id, prompt, req.params)
+        return request_id
+
+    def run(self, requests: Iterable[Request], should_stop: Callable[[], bool] = lambda: False) -> Iterator[Completion]:
+        """Yield a Completion per request, in finishing order.
+
+        A request the engine refuses (vLLM validates each one) comes back as
+        a Completion with ``error`` set; the others go on. When
+        ``should_stop()`` turns true, no more requests are added, those in
+        flight are aborted, and the iteration ends.
+        """
+        self._feed_id = uuid.uuid4().hex[:8]
+        it = iter(requests)
+        in_flight: dict[str, Request] = {}
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(in_flight) < self.window and not should_stop():
+                    req = next(it, None)
+                    if req is None:
+                        exhausted = True
+                        break
+                    try:
+                        in_flight[self._add(req)] = req
+                    except Exception as e:  # noqa: BLE001 - vLLM's per-request validation
+                        error = RowError("rejected_by_engine", f"{type(e).__name__}: {e}")
+                        yield Completion(req.key, req.row, None, len(req.prompt_token_ids), 0, None, None, error)
+                if should_stop() or not in_flight:
+                    return
+                self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
+                if not exhausted and len(in_flight) < self.window:
+                    self.stats.steps_short += 1
+                outputs = self._engine.step()
+                self.stats.steps += 1
+                now = time.time()
+                for out in outputs:
+                    if out.finished and out.request_id in in_flight:
+                        yield _completion(in_flight.pop(out.request_id), out, now)
+        finally:
+            if in_flight:
+                # The engine may be dead already (that may be why we stop); the
+                # original error is the one worth raising.
+                with contextlib.suppress(Exception):
+                    self._engine.abort_request(list(in_flight))
+
+
+def _completion(req: Request, out: Any, now: float) -> Completion:
+    metrics = out.metrics
+    ttft = latency = None
+    if metrics is not None:
+        ttft = metrics.first_token_latency or None
+        latency = now - metrics.arrival_time if metrics.arrival_time else None
+    return Completion(
+        key=req.key,
+        row=req.row,
+        output=out,
+        prompt_tokens=len(out.prompt_token_ids or ()),
+        cached_tokens=out.num_cached_tokens or 0,
+        ttft_s=ttft,
+        latency_s=latency,
+    )
+
+
+# -- One shard --------------------------------------------------------------------------------------
+
+
+class ShardFeed:
+    """The rows of one shard that are still to do, through the engine, into checkpoint parts.
+
+    Args:
+        job: the prepared shard job (its rows, checkpoint, budget, config).
+        task: what the rows become (``tasks.GenerateTask``).
+        tokenizer: the engine's.
+        llm: the running engine.
+        stop: true once SIGTERM/SIGINT arrived.
+        counters: where the attempt's work is counted.
+        window: requests kept in flight (tests make it small).
+    """
+
+    def __init__(
+        self,
+        job: ShardJob,
+        task: Task,
+        tokenizer: Tokenizer,
+        llm: Any,
+        stop: Callable[[], bool],
+        counters: AttemptCounters,
+        window: int | None = None,
+    ) -> None:
+        self.job, self.task, self.tokenizer, self.stop = job, task, tokenizer, stop
+        self.feeder = Feeder(llm, window)
+        self.counters = counters
+        self.order = job.config.prompt.order
+        self._finished: list[dict[str, Any]] = []
+        self._last_flush = self._last_progress = time.time()
+        self._bar = progress_bar(total=job.shard.rows, initial=len(job.done), desc=f"shard {job.shard.id}")
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        s = self.feeder.stats
+        return {
+            "steps": s.steps,
+            "max_in_flight": s.max_in_flight,
+            "steps_short": s.steps_short,
+            "window": self.feeder.window,
+            "order": self.order,
+        }
+
+    def run(self) -> None:
+        """Feed every remaining row; the last save happens however it ends (a signal, an error, the end).
+
+        Raises:
+            TooManyErrors: the shard's errors passed ``errors.max_rate``.
+        """
+        job = self.job
+        order_window = max(4 * self.feeder.window, 1024) if self.order == "prefix" else 0
+        requests = prepared_requests(
+            job.remaining_rows(), job.renderer, self.tokenizer, self.task, self._row_error, order_window
+        )
+        every = job.config.checkpoint
+        self._report_progress(time.time())
+        try:
+            for c in self.feeder.run(requests, should_stop=self.stop):
+                if c.error is not None:
+                    self._row_error(c.key, c.row, c.error, c.prompt_tokens)
+                else:
+                    self._completed(c)
+                now = time.time()
+                if len(self._finished) >= every.rows or now - self._last_flush >= every.seconds:
+                    self._flush(now)
+                if now - self._last_progress >= PROGRESS_SECONDS:
+                    self._report_progress(now)
+        finally:
+            self._flush(time.time())
+            self._bar.close()
+
+    def _completed(self, c: Completion) -> None:
+        finished = self.task.finish(c.row, c)
+        self._finished.extend(finished.rows)
+        n = self.counters
+        n.rows += 1
+        n.requests += 1
+        n.prompt_tokens += c.prompt_tokens
+        n.cached_tokens += c.cached_tokens
+        n.generated_tokens += finished.generated_tokens
+        if c.ttft_s is not None:
+            n.ttft.add(c.ttft_s)
+        if c.latency_s is not None:
+            n.latency.add(c.latency_s)
+        self._bar.update(1, tokens=finished.generated_tokens)
+        if finished.error is not None:
+            self.job.budget.add(c.key, finished.error)
+
+    def _row_error(self, index: int, row: dict[str, Any], error: RowError, prompt_tokens: int | None = None) -> None:
+        self._finished.extend(self.task.spec.error_rows(row, index, str(error), prompt_tokens))
+        self.counters.rows += 1
+        self._bar.update(1)
+        self.job.budget.add(index, str(error))
+
+    def _flush(self, now: float) -> None:
+        self.job.ckpt.flush(self._finished)
+        self._finished.clear()
+        self._last_flush = now
+
+    def _report_progress(self, now: float) -> None:
+        self._last_progress = now
+        job = self.job
+        done = len(job.done) + self.counters.rows
+        job.ckpt.write_progress({**job.progress, "time": now, "rows": job.shard.rows, "done": done,
+                                 "saved": job.ckpt.saved_inputs})  # fmt: skip

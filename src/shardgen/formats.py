@@ -1,0 +1,212 @@
+"""The merged output's formats (``output.format``): where each is written, how, and how it is read back.
+
+- ``parquet``: ``<dir>/output.parquet``, one file, its provenance in the
+  file's metadata;
+- ``jsonl``: ``<dir>/output.jsonl``, one JSON record per line, its provenance
+  beside it in ``output.jsonl.provenance.json``;
+- ``hf``: ``<dir>/output/``, a directory ``datasets.load_from_disk`` reads,
+  its provenance in the dataset's description.
+
+Writers take a stream of ``(schema, record batch)`` pairs, so memory stays
+flat however large the output is; readers give a few columns batch by batch
+(the report) or the whole dataset (``datasets``, for pushing to the hub).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import decimal
+import json
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from shardgen.io import atomic_write, atomic_write_text, replace_dir
+
+FORMATS = ("parquet", "jsonl", "hf")
+# Row groups of a merged Parquet file: large enough that a 100M-row output
+# has a footer of a few thousand entries, small enough to buffer.
+ROW_GROUP_ROWS = 128 * 1024
+ROW_GROUP_BYTES = 64 << 20
+
+Batches = Iterator[tuple[pa.Schema, pa.RecordBatch]]
+ColumnReader = Callable[[list[str]], Iterator[pa.RecordBatch]]
+
+
+def output_path(out_dir: str, fmt: str) -> str:
+    """Where the merged output of ``output.format`` goes."""
+    return {"parquet": f"{out_dir}/output.parquet", "jsonl": f"{out_dir}/output.jsonl", "hf": f"{out_dir}/output"}[fmt]
+
+
+def format_of(path: str | Path) -> str:
+    """The format of a merged output, from its path (a directory is ``hf``)."""
+    p = Path(path)
+    return "hf" if p.is_dir() else "jsonl" if p.suffix == ".jsonl" else "parquet"
+
+
+# -- Writing ----------------------------------------------------------------------------------------
+
+
+def write(fmt: str, path: str | Path, batches: Batches, empty: Callable[[], pa.Schema], provenance: dict) -> None:
+    """Write ``batches`` as ``fmt`` at ``path``, atomically, with ``provenance``.
+
+    Args:
+        empty: the schema of an output without rows (an empty input).
+        provenance: where the rows came from; its ``config_fingerprint`` also
+            goes into the Parquet metadata.
+    """
+    from shardgen.outputs import CONFIG_KEY, PROVENANCE_KEY
+
+    meta = {
+        CONFIG_KEY: (provenance.get("config_fingerprint") or "").encode(),
+        PROVENANCE_KEY: json.dumps(provenance).encode(),
+    }
+    if fmt == "parquet":
+        atomic_write(path, lambda f: _write_parquet(f, batches, empty, meta))
+    elif fmt == "jsonl":
+        atomic_write(path, lambda f: _write_jsonl(f, batches))
+        atomic_write_text(f"{path}.provenance.json", json.dumps(provenance, indent=1) + "\n")
+    elif fmt == "hf":
+        _write_hf(Path(path), batches, empty, meta, provenance)
+    else:
+        raise ValueError(f"unknown output format {fmt!r}")
+
+
+def _write_parquet(sink: Any, batches: Batches, empty: Callable[[], pa.Schema], meta: dict) -> None:
+    """Stream the batches into one Parquet file (``sink``: a path or a binary file)."""
+    writer = None
+    buffer: list[pa.RecordBatch] = []
+
+    def write_buffer() -> None:
+        if buffer:
+            writer.write_table(pa.Table.from_batches(buffer), row_group_size=ROW_GROUP_ROWS)
+            buffer.clear()
+
+    try:
+        for schema, batch in batches:
+            if writer is None:
+                writer = pq.ParquetWriter(sink, schema.with_metadata(meta), compression="zstd")
+            buffer.append(batch)
+            if sum(b.num_rows for b in buffer) >= ROW_GROUP_ROWS or sum(b.nbytes for b in buffer) >= ROW_GROUP_BYTES:
+                write_buffer()
+        if writer is not None:
+            write_buffer()
+        if writer is None:  # an empty input (input.allow_empty) gets a row-less output
+            pq.write_table(empty().with_metadata(meta).empty_table(), sink, compression="zstd")
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    if isinstance(value, datetime.date | datetime.time | datetime.datetime):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal | datetime.timedelta):
+        return str(value)
+    raise TypeError(f"cannot write a {type(value).__name__} as JSON")
+
+
+def _write_jsonl(f: IO[bytes], batches: Batches) -> None:
+    for _, batch in batches:
+        for row in batch.to_pylist():
+            f.write((json.dumps(row, ensure_ascii=False, default=_json_default) + "\n").encode())
+
+
+def _write_hf(path: Path, batches: Batches, empty: Callable[[], pa.Schema], meta: dict, provenance: dict) -> None:
+    """A ``datasets`` directory (``save_to_disk``), written beside ``path`` and swapped into place."""
+    import datasets
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
+        merged = f"{tmp}/merged.parquet"
+        _write_parquet(merged, batches, empty, meta)
+        info = datasets.DatasetInfo(description=json.dumps({"shardgen_provenance": provenance}))
+        ds = datasets.Dataset.from_parquet(merged, cache_dir=f"{tmp}/cache")
+        ds.info.update(info)
+        ds.save_to_disk(f"{tmp}/out")
+        replace_dir(Path(f"{tmp}/out"), path)
+
+
+# -- Reading back -----------------------------------------------------------------------------------
+
+
+def load(path: str | Path):
+    """The merged output as a ``datasets.Dataset``, whatever its format."""
+    import datasets
+
+    fmt = format_of(path)
+    if fmt == "hf":
+        return datasets.load_from_disk(str(path))
+    return datasets.load_dataset("parquet" if fmt == "parquet" else "json", data_files=str(path), split="train")
+
+
+def provenance(path: str | Path) -> dict[str, Any]:
+    """The provenance a merged output carries, whatever its format."""
+    from shardgen.outputs import PROVENANCE_KEY
+
+    fmt = format_of(path)
+    if fmt == "parquet":
+        return json.loads((pq.read_schema(path).metadata or {}).get(PROVENANCE_KEY, b"{}"))
+    if fmt == "jsonl":
+        return json.loads(Path(f"{path}.provenance.json").read_text())
+    return json.loads(load(path).info.description)["shardgen_provenance"]
+
+
+def read_columns(path: str | Path, batch_size: int) -> tuple[list[str], ColumnReader]:
+    """The merged output's column names, and a reader of some of its columns, batch by batch.
+
+    Parquet is read row group by row group, a ``datasets`` directory's Arrow
+    files are memory-mapped, JSON Lines is read line by line.
+    """
+    path = Path(path)
+    fmt = format_of(path)
+    if fmt == "hf":  # Dataset.save_to_disk
+        files = [path / f["filename"] for f in json.loads((path / "state.json").read_text())["_data_files"]]
+        names: list[str] = []
+        for file in files[:1]:
+            with pa.memory_map(str(file)) as src:
+                names = pa.ipc.open_stream(src).schema.names
+
+        def arrow_batches(columns: list[str]) -> Iterator[pa.RecordBatch]:
+            for file in files:
+                with pa.memory_map(str(file)) as src:
+                    for batch in pa.ipc.open_stream(src):
+                        yield batch.select(columns)
+
+        return names, arrow_batches
+    if fmt == "jsonl":
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), None)
+        names = list(json.loads(first)) if first else []
+        return names, lambda columns: _jsonl_batches(path, columns, batch_size)
+    pf = pq.ParquetFile(path)
+    return pf.schema_arrow.names, lambda columns: pf.iter_batches(batch_size=batch_size, columns=columns)
+
+
+def _jsonl_batches(path: Path, columns: list[str], batch_size: int) -> Iterator[pa.RecordBatch]:
+    """Columns of a JSON Lines file, batch by batch (line by line: any column may hold lists)."""
+    values: dict[str, list[Any]] = {c: [] for c in columns}
+
+    def flush() -> pa.RecordBatch:
+        batch = pa.RecordBatch.from_arrays([pa.array(values[c]) for c in columns], names=columns)
+        for v in values.values():
+            v.clear()
+        return batch
+
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                for c in columns:
+                    values[c].append(row.get(c))
+                if len(values[columns[0]]) >= batch_size:
+                    yield flush()
+    if values[columns[0]]:
+        yield flush()

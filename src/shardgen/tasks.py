@@ -1,0 +1,85 @@
+"""What a shard job does with its rows: the seam between the feed and the kind of output.
+
+The feed (``feed.ShardFeed``) is the same for every task: it reads the
+shard's rows, renders and tokenizes them a batch at a time, keeps the engine
+busy, saves finished rows, counts errors and stops on a signal. A task says
+the rest:
+
+- ``spec``: the columns a row's result adds (``results.ResultSpec``), and the
+  rows of an input row that got no result (``spec.error_rows``);
+- ``params(index, row)``: the parameters the engine gets for that row's request;
+- ``finish(row, completion)``: the output rows of an engine output, and the
+  tokens it generated.
+
+Text generation (``GenerateTask``) is one implementation; a classifier or an
+embedding model is another, with the same feed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from shardgen import engine as eng
+from shardgen.results import ResultSpec, Sample, choice_first_tokens
+
+if TYPE_CHECKING:
+    from shardgen.config import RunConfig
+    from shardgen.feed import Completion
+
+
+@dataclass
+class Finished:
+    """The output rows of one input row, its first error (or None), and the tokens the engine generated."""
+
+    rows: list[dict[str, Any]]
+    error: str | None
+    generated_tokens: int
+
+
+class Task(Protocol):
+    spec: ResultSpec
+
+    def params(self, index: int, row: dict[str, Any]) -> Any: ...
+
+    def finish(self, row: dict[str, Any], completion: Completion) -> Finished: ...
+
+
+class GenerateTask:
+    """Text generation: every row's request gets the run's ``SamplingParams`` (with the row's own seed
+    when ``sampling.seed`` is set), and its samples become output rows (``results.ResultSpec``).
+
+    Args:
+        tokenizer: the engine's, which decides the labels' first tokens for ``output.choice_probs``.
+    """
+
+    def __init__(self, config: RunConfig, tokenizer: eng.Tokenizer) -> None:
+        choices = config.sampling.choices if config.output.choice_probs else None
+        self.spec = ResultSpec.of(config, choice_first_tokens(tokenizer.hf, choices) if choices else None)
+        self.sampling = eng.make_sampling_params(config.sampling, self.spec.choice_token_ids)
+        self.seed = config.sampling.seed
+        self.id_column = config.input.id_column
+
+    def params(self, index: int, row: dict[str, Any]) -> Any:
+        if self.seed is None:
+            return self.sampling
+        return eng.with_seed(self.sampling, eng.row_seed(self.seed, row[self.id_column] if self.id_column else index))
+
+    def finish(self, row: dict[str, Any], completion: Completion) -> Finished:
+        samples = [_sample(o) for o in sorted(completion.output.outputs, key=lambda o: o.index)]
+        rows = self.spec.rows(row, completion.key, completion.prompt_tokens, samples)
+        error = next((r["error"] for r in rows if r["error"]), None)
+        return Finished(rows, error, sum(s.generated_tokens for s in samples))
+
+
+def _sample(out: Any) -> Sample:
+    """A ``Sample`` from one of vLLM's ``CompletionOutput``s, with its log-probabilities if asked for."""
+    positions = None
+    first = None
+    if out.logprobs:
+        positions = []
+        for lp in out.logprobs:
+            ranked = sorted(lp.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
+            positions.append([(int(t), v.decoded_token, float(v.logprob)) for t, v in ranked])
+        first = {int(t): float(v.logprob) for t, v in out.logprobs[0].items()}
+    return Sample(out.text, out.finish_reason, len(out.token_ids), positions, first)
