@@ -11,7 +11,9 @@ RUN := PATH=$(BIN):$$PATH VLLM_CPU_NUM_OF_RESERVED_CPU=0
 
 .PHONY: setup controller demo test lint format slurm bench clean
 
-setup: $(VENV)/.installed $(MODEL)/config.json $(DEMO_DATA)/part-0.parquet
+TEST_MODELS := models/toy
+
+setup: $(VENV)/.installed $(MODEL)/config.json $(TEST_MODELS)/config.json $(DEMO_DATA)/part-0.parquet
 
 $(VENV)/.installed: pyproject.toml requirements/cpu-constraints.txt scripts/setup-venv.sh
 	bash scripts/setup-venv.sh $(VENV)
@@ -19,6 +21,10 @@ $(VENV)/.installed: pyproject.toml requirements/cpu-constraints.txt scripts/setu
 
 $(MODEL)/config.json: | $(VENV)/.installed
 	$(BIN)/python scripts/make_demo_model.py $(MODEL)
+
+# Small models made from the demo model (no download): the toy model of the feed benchmark.
+models/%/config.json: scripts/make_test_models.py | $(MODEL)/config.json
+	$(BIN)/python scripts/make_test_models.py $(MODEL) models $*
 
 $(DEMO_DATA)/part-0.parquet: scripts/make_demo_data.py | $(VENV)/.installed
 	$(BIN)/python scripts/make_demo_data.py $(DEMO_DATA)
@@ -50,10 +56,12 @@ format: setup
 test: setup slurm lint
 	$(RUN) pytest --require-markers=engine,slurm $(PYTEST_ARGS)
 
-# The throughput benchmark: raw vLLM against shardgen's generate path, one
-# engine, alternating runs; writes bench/results/throughput.{json,md}.
+# The benchmarks: raw vLLM against shardgen's generate path (throughput), and
+# the feed against LLM.chat where the feed bounds a job (feed); each writes
+# bench/results/<name>.{json,md}.
 bench: setup
 	$(RUN) python bench/throughput.py
+	$(RUN) python bench/feed.py
 
 clean:
 	rm -rf results .snakemake

@@ -285,13 +285,6 @@ def row_seed(seed: int, row_key: Any) -> int:
     return int.from_bytes(digest, "big") >> 2
 
 
-def with_seed(params: Any, seed: int):
-    """A copy of ``params`` with its own seed."""
-    out = params.clone()
-    out.seed = seed
-    return out
-
-
 # -- Tokenization -----------------------------------------------------------------------------------
 
 

@@ -151,12 +151,12 @@ def _chunks(rows: Iterator[tuple[int, dict[str, Any]]], size: int) -> Iterator[l
 
 def _prepare(batch, renderer, tokenizer, task, on_error) -> list[Request]:
     prompts, keep = [], []
-    for index, row in batch:
-        try:
-            prompts.append(renderer.render(row))
+    for (index, row), prompt in zip(batch, renderer.render_batch([row for _, row in batch]), strict=True):
+        if isinstance(prompt, RowError):
+            on_error(index, row, prompt)
+        else:
+            prompts.append(prompt)
             keep.append((index, row))
-        except RowError as e:
-            on_error(index, row, e)
     out = []
     for (index, row), ids in zip(keep, tokenizer.encode_batch(prompts), strict=True):
         if isinstance(ids, RowError):
@@ -213,16 +213,23 @@ class Feeder:
         self.window = window or 2 * self._engine.vllm_config.scheduler_config.max_num_seqs
         self.stats = FeedStats()
 
-    def _add(self, req: Request) -> str:
-        prompt = {"prompt_token_ids": req.prompt_token_ids}
+    def _add(self, batch: list[Request]) -> Iterator[tuple[Request, str | None, Exception | None]]:
+        """Add requests to the engine; ``(request, request id, None)`` for each one it took,
+        ``(request, None, error)`` for each one it refused (vLLM validates each request)."""
+        prompts: list[Any] = [{"prompt_token_ids": r.prompt_token_ids} for r in batch]
         renderer = getattr(self._engine, "renderer", None)
         if renderer is not None and hasattr(renderer, "render_cmpl"):
-            (prompt,) = renderer.render_cmpl([prompt])
-        # Ids unique to this feed, so an engine shared by several feeds never
-        # hands one feed's output to another.
-        request_id = f"{self._feed_id}-{req.key}"
-        self._engine.add_request(request_id, prompt, req.params)
-        return request_id
+            prompts = renderer.render_cmpl(prompts)  # one call for the batch (vLLM's own input path)
+        for req, prompt in zip(batch, prompts, strict=True):
+            # Ids unique to this feed, so an engine shared by several feeds never
+            # hands one feed's output to another.
+            request_id = f"{self._feed_id}-{req.key}"
+            try:
+                self._engine.add_request(request_id, prompt, req.params)
+            except Exception as e:  # noqa: BLE001 - vLLM's per-request validation
+                yield req, None, e
+                continue
+            yield req, request_id, None
 
     def run(self, requests: Iterable[Request], should_stop: Callable[[], bool] = lambda: False) -> Iterator[Completion]:
         """Yield a Completion per request, in finishing order.
@@ -239,15 +246,16 @@ class Feeder:
         try:
             while True:
                 while not exhausted and len(in_flight) < self.window and not should_stop():
-                    req = next(it, None)
-                    if req is None:
-                        exhausted = True
-                        break
-                    try:
-                        in_flight[self._add(req)] = req
-                    except Exception as e:  # noqa: BLE001 - vLLM's per-request validation
-                        error = RowError("rejected_by_engine", f"{type(e).__name__}: {e}")
-                        yield Completion(req.key, req.row, None, len(req.prompt_token_ids), 0, None, None, error)
+                    # a prepared batch at a time: the engine core starts on the first while the next is prepared
+                    want = min(self.window - len(in_flight), PREPARE_BATCH)
+                    batch = list(itertools.islice(it, want))
+                    exhausted = len(batch) < want
+                    for req, request_id, e in self._add(batch):
+                        if request_id is not None:
+                            in_flight[request_id] = req
+                        else:
+                            error = RowError("rejected_by_engine", f"{type(e).__name__}: {e}")
+                            yield Completion(req.key, req.row, None, len(req.prompt_token_ids), 0, None, None, error)
                 if should_stop() or not in_flight:
                     return
                 self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))

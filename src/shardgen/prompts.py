@@ -23,7 +23,14 @@ import jinja2.meta
 from jinja2.exceptions import SecurityError, TemplateSyntaxError, UndefinedError
 
 from shardgen.errors import ConfigError, RowError
-from shardgen.sandbox import MAX_ITEMS, BoundedSandbox, TemplateBoundError, recursive_macros, render_budget
+from shardgen.sandbox import (
+    MAX_ITEMS,
+    BoundedSandbox,
+    RenderBudget,
+    TemplateBoundError,
+    TemplateTimeout,
+    recursive_macros,
+)
 
 if TYPE_CHECKING:
     from shardgen.config import PromptConfig
@@ -67,8 +74,10 @@ class PromptRenderer:
                 if recursive := recursive_macros(parsed):
                     raise ConfigError(f"prompt.template: the macro(s) {', '.join(recursive)} call themselves; "
                                       "recursion is not allowed in prompt templates")  # fmt: skip
-                with render_budget():
+                with RenderBudget():
                     self._template = env.from_string(parsed)
+            except TemplateTimeout:
+                raise ConfigError("prompt.template: compiling it took too long") from None
             except TemplateSyntaxError as e:
                 raise ConfigError(f"prompt.template: syntax error on line {e.lineno}: {e.message}") from e
             except ConfigError:
@@ -90,8 +99,8 @@ class PromptRenderer:
         """The renderer for the config's ``prompt`` section."""
         return cls(prompt.template, prompt.system, prompt.chat, list(prompt.few_shot), prompt.messages_column)
 
-    def render_text(self, row: Mapping[str, Any]) -> str:
-        """Render the template for one row.
+    def render_text(self, row: Mapping[str, Any], budget: RenderBudget | None = None) -> str:
+        """Render the template for one row (within ``budget``'s batch, or a budget of its own).
 
         Raises:
             RowError: a column the template uses is missing or null, the
@@ -106,8 +115,15 @@ class PromptRenderer:
             if isinstance(value, bytes):
                 values[name] = _decode(name, value)
         try:
-            with render_budget():
+            if budget is None:
+                with RenderBudget():
+                    text = self._render(values)
+            else:
+                budget.restart()
                 text = self._render(values)
+        except TemplateTimeout:
+            seconds = budget.seconds if budget else RenderBudget().seconds
+            raise RowError("template_error", f"template: rendering took more than {seconds:g} s") from None
         except RowError:
             raise
         except UndefinedError as e:
@@ -173,14 +189,25 @@ class PromptRenderer:
             raise RowError("invalid_messages", f"column '{name}': the last message is the assistant's, not a question")
         return messages
 
-    def render(self, row: Mapping[str, Any]) -> str | list[dict[str, str]]:
+    def render(self, row: Mapping[str, Any], budget: RenderBudget | None = None) -> str | list[dict[str, str]]:
         """The prompt for one row: chat messages in chat mode, else text."""
         if self.messages_column:
             return self.prefix + self.row_messages(row)
-        text = self.render_text(row)
+        text = self.render_text(row, budget)
         if not self.chat:
             return text
         return [*self.prefix, {"role": "user", "content": text}]
+
+    def render_batch(self, rows: list[Mapping[str, Any]]) -> list[str | list[dict[str, str]] | RowError]:
+        """The prompt of each row, or the ``RowError`` it gets, under one render budget."""
+        out: list[Any] = []
+        with RenderBudget() as budget:
+            for row in rows:
+                try:
+                    out.append(self.render(row, budget))
+                except RowError as e:
+                    out.append(e)
+        return out
 
 
 def _decode(column: str, value: bytes) -> str:

@@ -18,7 +18,7 @@ but bounds nothing: ``{{ 3**(2*10**7) }}`` was computed at compile time
 - recursive macros are refused when the template is compiled;
 - a render has a deadline (``RENDER_SECONDS``): checked at every call,
   attribute access and loop step of a ``range``, and enforced by ``SIGALRM``
-  when rendering on the main thread.
+  when rendering on the main thread (``RenderBudget``).
 
 A bound that is hit raises ``TemplateBoundError`` (a ``SecurityError``), which
 the renderer turns into a row error.
@@ -34,7 +34,6 @@ import string
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from jinja2 import nodes
@@ -243,31 +242,52 @@ def recursive_macros(template: nodes.Template) -> list[str]:
     return found
 
 
-class _Timeout(BaseException):
-    """Raised by the alarm; a BaseException, so that no ``except Exception`` inside Jinja swallows it."""
+class TemplateTimeout(BaseException):
+    """Raised by the alarm when a render runs past its deadline; a BaseException, so that no
+    ``except Exception`` inside Jinja swallows it."""
 
 
-@contextmanager
-def render_budget(seconds: float | None = None) -> Iterator[None]:
-    """Bound one render (to ``RENDER_SECONDS`` by default): the cooperative checks always, and
-    ``SIGALRM`` on the main thread (where no other alarm is set)."""
-    seconds = RENDER_SECONDS if seconds is None else seconds
-    token = _budget.set(_Budget(seconds))
-    alarm = threading.current_thread() is threading.main_thread() and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+class RenderBudget:
+    """Bounds renders on this thread: the cooperative checks always, and ``SIGALRM`` on the main
+    thread (where no other alarm is set).
 
-    def expire(signum: int, frame: Any) -> None:
-        raise _Timeout
+    As a context manager it covers one render, or a batch of them with ``restart()`` before each
+    (the alarm's handler is installed once per batch, not once per row)::
 
-    previous = signal.signal(signal.SIGALRM, expire) if alarm else None
-    try:
-        if alarm:
-            signal.setitimer(signal.ITIMER_REAL, seconds)
-        try:
-            yield
-        except _Timeout:
-            raise TemplateBoundError(f"rendering took more than {seconds:g} s") from None
-    finally:
-        if alarm:
+        with RenderBudget() as budget:
+            for row in rows:
+                budget.restart()
+                render(row)
+    """
+
+    def __init__(self, seconds: float | None = None) -> None:
+        self.seconds = RENDER_SECONDS if seconds is None else seconds
+        self._budget = _Budget(self.seconds)
+        self._alarm = False
+
+    def __enter__(self) -> RenderBudget:
+        self._token = _budget.set(self._budget)
+        self._alarm = (
+            threading.current_thread() is threading.main_thread() and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+        )
+        if self._alarm:
+            self._previous = signal.signal(signal.SIGALRM, _expire)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def restart(self) -> None:
+        """A new render: a full deadline and range budget again."""
+        self._budget.deadline = time.monotonic() + self.seconds
+        self._budget.iterations = MAX_ITERATIONS
+        if self._alarm:
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)  # first: no alarm may fire past this block
-            signal.signal(signal.SIGALRM, previous)
-        _budget.reset(token)
+            signal.signal(signal.SIGALRM, self._previous)
+        _budget.reset(self._token)
+
+
+def _expire(signum: int, frame: Any) -> None:
+    raise TemplateTimeout

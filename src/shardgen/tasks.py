@@ -17,6 +17,7 @@ embedding model is another, with the same feed.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -61,9 +62,22 @@ class GenerateTask:
         self.id_column = config.input.id_column
 
     def params(self, index: int, row: dict[str, Any]) -> Any:
-        if self.seed is None:
-            return self.sampling
-        return eng.with_seed(self.sampling, eng.row_seed(self.seed, row[self.id_column] if self.id_column else index))
+        """The request's own ``SamplingParams``: a shallow copy of the run's, marked ``skip_clone``.
+
+        vLLM deep-copies the params of every request it is given unless they
+        are marked as the request's own (``InputProcessor.process_inputs``,
+        ``SamplingParams.clone``): 55 us a row measured here, about 5% of a
+        feed-bound row, and twice that with a row seed. A shallow copy is the
+        request's own at the top level, where vLLM sets what is per request
+        (the seed, the stop ids from the generation config); what stays
+        shared (the labels, the schema, the token ids to score) is the same
+        for every request of a run, which is what ``skip_clone`` asks for.
+        """
+        params = copy.copy(self.sampling)
+        params.skip_clone = True
+        if self.seed is not None:
+            params.seed = eng.row_seed(self.seed, row[self.id_column] if self.id_column else index)
+        return params
 
     def finish(self, row: dict[str, Any], completion: Completion) -> Finished:
         samples = [_sample(o) for o in sorted(completion.output.outputs, key=lambda o: o.index)]
