@@ -181,6 +181,10 @@ class Completion:
     ttft_s: float | None
     latency_s: float | None
     error: RowError | None = None
+    # From vLLM's per-request timestamps (RequestStateStats, monotonic in the engine core): time waiting
+    # for the scheduler, and time to first token once scheduled (vLLM's own "prefill time").
+    queue_s: float | None = None
+    ttft_scheduled_s: float | None = None
 
 
 @dataclass
@@ -216,6 +220,8 @@ class Feeder:
     def _add(self, batch: list[Request]) -> Iterator[tuple[Request, str | None, Exception | None]]:
         """Add requests to the engine; ``(request, request id, None)`` for each one it took,
         ``(request, None, error)`` for each one it refused (vLLM validates each request)."""
+        if not batch:
+            return
         prompts: list[Any] = [{"prompt_token_ids": r.prompt_token_ids} for r in batch]
         renderer = getattr(self._engine, "renderer", None)
         if renderer is not None and hasattr(renderer, "render_cmpl"):
@@ -276,11 +282,18 @@ class Feeder:
 
 
 def _completion(req: Request, out: Any, now: float) -> Completion:
+    """The finished request's figures. TTFT from arrival includes the time the request waited in the
+    engine's queue, which a saturated feed keeps full on purpose; queue time and TTFT from scheduling
+    split it (vllm/v1/metrics/stats.py: RequestStateStats, as update_from_finished_request does)."""
     metrics = out.metrics
-    ttft = latency = None
+    ttft = latency = queue = ttft_scheduled = None
     if metrics is not None:
         ttft = metrics.first_token_latency or None
         latency = now - metrics.arrival_time if metrics.arrival_time else None
+        if metrics.scheduled_ts and metrics.queued_ts:
+            queue = max(metrics.scheduled_ts - metrics.queued_ts, 0.0)
+        if metrics.first_token_ts and metrics.scheduled_ts:
+            ttft_scheduled = max(metrics.first_token_ts - metrics.scheduled_ts, 0.0)
     return Completion(
         key=req.key,
         row=req.row,
@@ -289,6 +302,8 @@ def _completion(req: Request, out: Any, now: float) -> Completion:
         cached_tokens=out.num_cached_tokens or 0,
         ttft_s=ttft,
         latency_s=latency,
+        queue_s=queue,
+        ttft_scheduled_s=ttft_scheduled,
     )
 
 
@@ -374,10 +389,10 @@ class ShardFeed:
         n.prompt_tokens += c.prompt_tokens
         n.cached_tokens += c.cached_tokens
         n.generated_tokens += finished.generated_tokens
-        if c.ttft_s is not None:
-            n.ttft.add(c.ttft_s)
-        if c.latency_s is not None:
-            n.latency.add(c.latency_s)
+        for hist, value in ((n.ttft, c.ttft_s), (n.latency, c.latency_s), (n.queue, c.queue_s),
+                            (n.ttft_scheduled, c.ttft_scheduled_s)):  # fmt: skip
+            if value is not None:
+                hist.add(value)
         self._bar.update(1, tokens=finished.generated_tokens)
         if finished.error is not None:
             self.job.budget.add(c.key, finished.error)
