@@ -402,6 +402,8 @@ def committed_shard(config, manifest: Manifest, shard, source, pool: pa.Array, o
     for t in rng.lognormal(-1.0, 1.0, 300):  # latency histograms of a realistic width
         c.ttft.add(float(t))
         c.latency.add(float(t) * 4)
+        c.queue.add(float(t) * 0.9)
+        c.ttft_scheduled.add(float(t) * 0.1)
     stats = shard_stats(shard, out_table, 0, c, 50.0, 600.0, 660.0, config.model.gpus)
     # what a real job adds (engine, GPUs, Slurm, ...), so that each shard's stats weigh what they would
     slurm = {"job_id": str(10_000 + int(shard.id)), "node": "gpu-node-017", "partition": "gpu", "attempt": 1}

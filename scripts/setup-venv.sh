@@ -21,6 +21,9 @@ case "$flavor" in
     ;;
   gpu)
     $pip install --quiet -e ".[gpu,dev]"
+    # FlashInfer's precompiled kernels (from flashinfer.ai): offline compute
+    # nodes would otherwise download or compile them at every engine start
+    "$venv/bin/vllm" download-kernels || echo "setup: warning: vllm download-kernels failed; run it where there is internet" >&2
     ;;
   *) echo "SHARDGEN_VLLM must be gpu or cpu, not '$flavor'" >&2; exit 2 ;;
 esac

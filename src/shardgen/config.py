@@ -362,7 +362,7 @@ class OutputConfig:
 @dataclass(frozen=True)
 class ResourcesConfig:
     mem_mb: int = 32000
-    cpus_per_task: int = 8
+    cpus_per_task: int | None = None
     runtime: int = 240
 
 
@@ -510,6 +510,17 @@ class RunConfig:
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
         return cls.from_dict(load(path))
+
+    @property
+    def cpus_per_job(self) -> int:
+        """CPU cores a generate job asks for: ``resources.cpus_per_task``, or 4 + 2 per GPU (at least 8).
+
+        vLLM runs N + 2 busy processes for N GPUs (the frontend, which also
+        tokenizes and reads outputs, the engine core and one worker per GPU:
+        vllm/v1/executor/multiproc_executor.py), and the fast tokenizer has
+        threads of its own; 8 was the default for one GPU before.
+        """
+        return self.resources.cpus_per_task or max(8, 4 + 2 * self.model.gpus)
 
     @functools.cached_property
     def fingerprint(self) -> str:

@@ -43,11 +43,39 @@ THREAD_ENV_VARS = (
 )
 
 # Keys of `model` in the config that are ours, not vllm.LLM arguments.
-_NOT_ENGINE_ARGS = {"extra", "allow_unsafe_engine_args"}
+_NOT_ENGINE_ARGS = {"extra", "allow_unsafe_engine_args", "batch_invariant"}
+
+# How vLLM starts its engine core and workers in a job. On CUDA vLLM forks
+# them unless CUDA is initialised already (vllm/utils/system_utils.py,
+# _maybe_force_spawn), and a fork would copy this process's pyarrow threads
+# and shardgen's signal handlers; the CPU build always spawns
+# (vllm/platforms/cpu.py). Set for the generate and preflight jobs.
+PROCESS_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+
+
+def cache_root(host: str) -> str:
+    """Where vLLM keeps its caches in a job (``VLLM_CACHE_ROOT``): one directory per node.
+
+    vLLM's custom all-reduce keeps whether GPUs reach each other peer to peer
+    in a file keyed by ``CUDA_VISIBLE_DEVICES`` alone
+    (vllm/distributed/device_communicators/all_reduce_utils.py), so on a
+    shared home directory a PCIe node could read the answer an NVLink node
+    wrote; and many jobs would write one torch.compile cache at once. A
+    ``VLLM_CACHE_ROOT`` set in the environment is taken as it is.
+    """
+    if os.environ.get("VLLM_CACHE_ROOT"):
+        return os.environ["VLLM_CACHE_ROOT"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "vllm", "shardgen-nodes", host)
 
 
 class WrongGpus(ShardgenError):
-    """The job got GPUs it cannot run on as configured (too few, or without the precision asked for)."""
+    """The job got GPUs it cannot run on as configured (too few, without the precision asked for, a
+    driver too old for the CUDA build)."""
+
+
+class UnsupportedVllm(ShardgenError):
+    """The installed vLLM is not the version shardgen is tested with."""
 
 
 def fp8_kv_cache_supported(build: str) -> bool:
@@ -97,6 +125,7 @@ class EngineSettings:
         memory_overrides: what earlier out-of-memory failures changed.
         memory_defaults: vLLM's own ``max_num_seqs`` / ``gpu_memory_utilization``
             for these GPUs, for the record of a failure where the config set none.
+        environment: variables the job sets before the engine starts.
         notes: warnings for the job's log.
     """
 
@@ -106,6 +135,7 @@ class EngineSettings:
     precision: dict[str, Any] = field(default_factory=dict)
     memory_overrides: dict[str, Any] = field(default_factory=dict)
     memory_defaults: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -124,10 +154,16 @@ class EngineSettings:
         chunked prefill off.
 
         Raises:
-            WrongGpus: too few GPUs, or a precision the GPUs cannot run.
+            WrongGpus: too few GPUs, a precision the GPUs cannot run, a driver
+                too old for the CUDA build, or batch invariance on GPUs without it.
+            UnsupportedVllm: the installed vLLM is not the version shardgen supports.
         """
-        from shardgen import fetch, gpus
+        from shardgen import fetch, gpus, jobinfo
+        from shardgen.installed import version_problem
+        from shardgen.kernels import torch_cuda
 
+        if problem := version_problem():
+            raise UnsupportedVllm(problem)
         model = config.model
         build = vllm_build()
         devices = gpus.describe_gpus()
@@ -146,6 +182,10 @@ class EngineSettings:
             build,
             from_checkpoint=settings["quantization"] is None,
         )
+        if build == "cuda":
+            problems += gpus.check_driver(devices, torch_cuda())
+            if model.get("batch_invariant"):
+                problems += gpus.check_batch_invariance(devices)
         if problems:
             raise WrongGpus("this job cannot run on the GPUs it got:\n  - " + "\n  - ".join(problems))
         notes = gpus.gpu_warnings(devices, settings["kv_cache_dtype"], build)
@@ -160,6 +200,16 @@ class EngineSettings:
                 "sampling.seed on vLLM's CPU build: chunked prefill is off (PyTorch's CPU generator cannot rewind "
                 "the sample of a partly prefilled prompt, and the engine would fail)"
             )
+        environment = {**PROCESS_ENV, "VLLM_CACHE_ROOT": cache_root(jobinfo.host())}
+        if model.get("batch_invariant"):
+            # batch-invariant kernels: a row's text does not depend on the rows batched with it
+            # (vllm/model_executor/determinism/batch_invariant.py; GPU workers only)
+            environment["VLLM_BATCH_INVARIANT"] = "1"
+            if build == "cpu":
+                notes.append(
+                    "model.batch_invariant on vLLM's CPU build: its worker ignores VLLM_BATCH_INVARIANT (the CPU "
+                    "kernels do not depend on the batch here anyway)"
+                )
         return cls(
             model=settings,
             gpus=devices,
@@ -167,6 +217,7 @@ class EngineSettings:
             precision=precision,
             memory_overrides=overrides,
             memory_defaults=memory.vllm_defaults(devices, model.gpus),
+            environment=environment,
             notes=notes,
         )
 

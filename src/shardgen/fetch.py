@@ -295,8 +295,15 @@ def describe(resolved: dict[str, Any]) -> str:
 
 
 def main_fetch(config: RunConfig, output_path: str | Path) -> int:
-    """Resolve (and if need be download) the model; write the record as JSON; print one line."""
+    """Resolve (and if need be download) the model; write the record as JSON; print one line. On the
+    CUDA build, also install FlashInfer's precompiled kernels if they are missing (``kernels.py``)."""
+    from shardgen.installed import vllm_build
+    from shardgen.kernels import ensure_kernels
+
     resolved = resolve_model(config.model, allow_download=True)
     atomic_write_text(output_path, json.dumps(resolved, indent=1, sort_keys=True) + "\n")
     print(describe(resolved))
+    # here, with internet access, rather than in every offline job (kernels.py)
+    if vllm_build() == "cuda" and (done := ensure_kernels()):
+        print(done)
     return 0

@@ -211,7 +211,12 @@ class ShardJob:
             config_fingerprint=self.config.fingerprint,
             feed=run.feed,
             checkpoints_discarded=self.ckpt.discarded,
-            engine={"vllm_version": vllm_version(), "args": engine_kwargs(settings.model)},
+            engine={
+                "vllm_version": vllm_version(),
+                "args": engine_kwargs(settings.model),
+                "environment": settings.environment,
+                "batch_invariant": bool(settings.model.get("batch_invariant")),
+            },
             attempts=history,
             memory_failures=self.memory_failures(),
             memory_overrides=settings.memory_overrides,
@@ -302,6 +307,7 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
     if not job.remaining:
         return run
 
+    os.environ.update(settings.environment)  # before vLLM starts its processes, which inherit it
     t0 = time.time()
     try:
         llm = engine.start(settings)
@@ -465,11 +471,13 @@ def _now() -> str:
 
 def _outcome(error: BaseException) -> dict[str, Any]:
     """How an attempt ended, for its entry in ``attempts.jsonl``."""
-    from shardgen.engine import WrongGpus
+    from shardgen.engine import UnsupportedVllm, WrongGpus
 
     if isinstance(error, Interrupted):
         return {"outcome": "interrupted", "signal": error.signal_name}
     if isinstance(error, OutOfMemory):
         return {"outcome": "out_of_memory", **error.record}
-    kind = {TooManyErrors: "too_many_errors", WrongGpus: "wrong_gpus"}.get(type(error), "failed")
+    kind = {TooManyErrors: "too_many_errors", WrongGpus: "wrong_gpus", UnsupportedVllm: "unsupported_vllm"}.get(
+        type(error), "failed"
+    )
     return {"outcome": kind, "error": f"{type(error).__name__}: {error}"[:1000]}

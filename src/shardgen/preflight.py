@@ -25,8 +25,9 @@ from shardgen import engine as eng
 from shardgen.config import RunConfig, engine_version, warnings
 from shardgen.errors import RowError, ShardgenError
 from shardgen.gpus import FP4_WEIGHT_FORMATS, FP8_WEIGHT_FORMATS, MXFP4_WEIGHT_FORMATS, checkpoint_quant_method
-from shardgen.installed import vllm_build
+from shardgen.installed import version_problem, vllm_build
 from shardgen.io import atomic_write_text
+from shardgen.kernels import kernel_problem
 from shardgen.plan import Manifest
 from shardgen.prompts import PromptRenderer
 
@@ -73,6 +74,38 @@ def check_precision(model_cfg: Mapping[str, Any], hf_config: dict[str, Any], bui
                 f"model.model: the checkpoint is quantized as '{ckpt}', which needs a CUDA GPU; "
                 "this workflow runs vLLM's CPU build"
             )
+    return problems
+
+
+def check_engine_values(model_cfg: Mapping[str, Any], hf_config: Mapping[str, Any]) -> list[str]:
+    """``model.quantization`` and ``model.kv_cache_dtype`` against the installed vLLM's own lists (a typo
+    is refused here, not inside a job), and ``fp8`` on a checkpoint it cannot quantize at load."""
+    import difflib
+    import typing
+
+    from vllm.config.cache import CacheDType
+
+    from shardgen.gpus import installed_quantization_methods
+
+    problems = []
+    for key, allowed in (
+        ("quantization", sorted(installed_quantization_methods() | {"auto"})),
+        ("kv_cache_dtype", sorted(set(typing.get_args(CacheDType)) | {"auto"})),
+    ):
+        value = model_cfg.get(key)
+        if value is not None and value not in allowed:
+            near = difflib.get_close_matches(str(value), allowed, n=1)
+            problems.append(
+                f"model.{key}: '{value}' is not one of vLLM {engine_version()}'s"
+                + (f" (did you mean '{near[0]}'?)" if near else "")
+                + f"; it knows: {', '.join(allowed)}"
+            )
+    if model_cfg.get("quantization") == "fp8" and checkpoint_quant_method(hf_config) is None:
+        # vllm/model_executor/layers/quantization/fp8.py: online FP8 moved to the fp8_per_* methods
+        problems.append(
+            "model.quantization: 'fp8' no longer quantizes a BF16/FP16 checkpoint at load in vLLM "
+            f"{engine_version()}; use auto (FP8 where the GPU has it), fp8_per_channel or fp8_per_tensor"
+        )
     return problems
 
 
@@ -208,8 +241,13 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     model_dir = Path(record["path"])
     hf_config = _hf_config(model_dir)
     build = vllm_build()
+    if version := version_problem():
+        problems.append(version)
     problems += check_precision(model_cfg, hf_config, build)
     problems += check_engine_keys(model_cfg)
+    problems += check_engine_values(model_cfg, hf_config)
+    if build == "cuda" and (missing := kernel_problem()):
+        problems.append(missing)
     own = model_context_length(hf_config)
     max_len = model_cfg.max_model_len or (own[0] if own else None)
     if own and model_cfg.max_model_len and model_cfg.max_model_len > own[0]:
@@ -337,6 +375,7 @@ def main_preflight(config: RunConfig, manifest: str, report_path: str, model_rec
     from shardgen.fetch import load_record
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.update(eng.PROCESS_ENV)
     report = run(config, manifest, load_record(model_record) if model_record else None)
     atomic_write_text(report_path, json.dumps(report, indent=1) + "\n")
     print(report_text(report))

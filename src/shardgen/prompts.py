@@ -123,7 +123,10 @@ class PromptRenderer:
                 text = self._render(values)
         except TemplateTimeout:
             seconds = budget.seconds if budget else RenderBudget().seconds
-            raise RowError("template_error", f"template: rendering took more than {seconds:g} s") from None
+            raise RowError(
+                "template_error",
+                f"template: rendering took more than {seconds:g} s; templates are bounded in size and time",
+            ) from None
         except RowError:
             raise
         except UndefinedError as e:

@@ -237,6 +237,8 @@ def totals(stats: dict[str, Any], shards: list[ShardFigures]) -> list[tuple[str,
         ("total tokens/s (prompt + output)", _fmt(_num(stats.get("total_tokens_per_s")))),
         ("requests/s", _fmt(_num(stats.get("requests_per_s")), ",.2f")),
         ("time to first token p50 / p90 / p99", percentiles("ttft")),
+        ("  of which queued before scheduling", percentiles("queue")),
+        ("  from scheduling to first token", percentiles("ttft_scheduled")),
         ("end-to-end latency p50 / p90 / p99", percentiles("latency")),
         ("prefix cache hits", _fmt(None if hit is None else 100 * hit, ".1f", "% of prompt tokens")),
         ("generation time, all shards", _duration(_num(stats.get("generation_seconds")))),
@@ -345,17 +347,22 @@ def plot_ttft(stats: dict[str, Any], path: Path) -> Path:
     """(b) Time to first token of every request, from the merged log-bucketed histogram."""
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.add_subplot()
-    hist = LogHistogram.from_json((stats.get("histograms") or {}).get("ttft_s") or {})
+    hists = stats.get("histograms") or {}
+    hist = LogHistogram.from_json(hists.get("ttft_s") or {})
+    scheduled = LogHistogram.from_json(hists.get("ttft_scheduled_s") or {})
     title = f"Time to first token ({hist.count:,} requests)"
     ax.set_xlabel("time to first token (s, log scale)")
     ax.set_ylabel("requests per bucket (count; buckets 5% wide)")
     if not hist.count:
         _nothing(ax, "no time-to-first-token samples")
     else:
-        lo, hi = min(hist.counts), max(hist.counts)
-        counts = [hist.counts.get(i, 0) for i in range(lo, hi + 1)]
-        edges = BUCKET_MIN * BUCKET_RATIO ** np.arange(lo, hi + 2, dtype=float)  # bucket i: [MIN r^i, MIN r^(i+1))
-        ax.stairs(counts, edges, fill=True, color=_COLORS["generation"], alpha=0.8)
+        for h, color, label in ((hist, _COLORS["generation"], "from arrival (queue included)"),
+                                (scheduled, _COLORS["engine"], "from scheduling")):  # fmt: skip
+            if h.count:
+                lo, hi = min(h.counts), max(h.counts)
+                counts = [h.counts.get(i, 0) for i in range(lo, hi + 1)]
+                edges = BUCKET_MIN * BUCKET_RATIO ** np.arange(lo, hi + 2, dtype=float)  # bucket i: [MIN r^i, ..)
+                ax.stairs(counts, edges, fill=True, color=color, alpha=0.6, label=label)
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(_PlainLogFormatter())
         ax.xaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))

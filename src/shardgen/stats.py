@@ -85,7 +85,9 @@ SUMMED = (
     "gpu_hours",
     "preemptions",
 )
-HISTOGRAMS = ("ttft_s", "latency_s")
+# Time to first token from arrival, end-to-end latency, time queued before scheduling, and time to
+# first token from scheduling.
+HISTOGRAMS = ("ttft_s", "latency_s", "queue_s", "ttft_scheduled_s")
 
 
 def _rate(num: float, den: float) -> float | None:
@@ -124,6 +126,13 @@ class AttemptCounters:
     generated_tokens: int = 0
     ttft: LogHistogram = field(default_factory=LogHistogram)
     latency: LogHistogram = field(default_factory=LogHistogram)
+    queue: LogHistogram = field(default_factory=LogHistogram)
+    ttft_scheduled: LogHistogram = field(default_factory=LogHistogram)
+
+    def histograms(self) -> dict[str, LogHistogram]:
+        """By their names in the stats (``HISTOGRAMS``)."""
+        return {"ttft_s": self.ttft, "latency_s": self.latency, "queue_s": self.queue,
+                "ttft_scheduled_s": self.ttft_scheduled}  # fmt: skip
 
 
 def _column_sum(table: pa.Table, name: str) -> int:
@@ -185,7 +194,7 @@ def shard_stats(
         "gpus": gpus,
         "gpu_hours": wall_seconds * gpus / 3600,
     }
-    hists = {"ttft_s": counters.ttft, "latency_s": counters.latency}
+    hists = counters.histograms()
     return {
         "shard": shard.id,
         "row_start": shard.start,
@@ -230,6 +239,8 @@ SHARD_SUMMARY_KEYS = (
     "prefix_cache_hit_rate",
     "ttft_p50_s",
     "latency_p50_s",
+    "queue_p50_s",
+    "ttft_scheduled_p50_s",
     "engine_start_seconds",
     "generation_seconds",
     "wall_seconds",
@@ -336,8 +347,9 @@ def summary_text(stats: dict[str, Any]) -> str:
         f"tokens          {stats['prompt_tokens']} prompt, {stats['generated_tokens']} generated",
         f"throughput      {_fmt(stats['output_tokens_per_s'])} output tok/s, "
         f"{_fmt(stats['requests_per_s'], '.2f')} req/s (over {_fmt(stats['generation_seconds'])} s of generation)",
-        f"latency         TTFT p50 {_fmt(stats['ttft_p50_s'], '.3f')} s, p90 {_fmt(stats['ttft_p90_s'], '.3f')} s; "
-        f"end-to-end p50 {_fmt(stats['latency_p50_s'], '.3f')} s",
+        f"latency         TTFT p50 {_fmt(stats['ttft_p50_s'], '.3f')} s, p90 {_fmt(stats['ttft_p90_s'], '.3f')} s "
+        f"(of which queued p50 {_fmt(stats.get('queue_p50_s'), '.3f')} s; from scheduling p50 "
+        f"{_fmt(stats.get('ttft_scheduled_p50_s'), '.3f')} s); end-to-end p50 {_fmt(stats['latency_p50_s'], '.3f')} s",
         f"prefix cache    {_fmt(hit if hit is None else 100 * hit)}% of prompt tokens; "
         f"{stats.get('preemptions', 0)} preemptions",
         f"GPU-hours       {stats['gpu_hours']:.4f}  ({_fmt(stats.get('output_tokens_per_gpu_hour'), '.0f')} output "

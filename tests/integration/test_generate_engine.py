@@ -51,6 +51,12 @@ def test_every_row_of_a_shard_gets_a_generation_and_the_stats_match_the_rows(tmp
     assert stats["generated_tokens"] <= 8 * config.sampling.max_tokens
     assert stats["ttft_p50_s"] > 0 and stats["output_tokens_per_s"] > 0
     assert stats["histograms"]["ttft_s"], "time to first token comes from vLLM's per-request metrics"
+    # queued and from scheduling: the two parts of the time to first token, from vLLM's timestamps
+    assert stats["queue_p50_s"] is not None and stats["ttft_scheduled_p50_s"] > 0
+    assert stats["ttft_scheduled_p50_s"] <= stats["ttft_p99_s"]
+    # the engine's processes were spawned, and its caches are this node's
+    assert stats["engine"]["environment"]["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
 
 
 def test_bad_rows_of_every_kind_are_row_errors_and_the_shard_goes_on(tmp_path, engine):

@@ -62,10 +62,26 @@ def test_every_problem_is_listed_at_once(tmp_path, capsys, model_dir):
     rows = make_rows(40)
     rows[7]["id"] = rows[3]["id"]
     rc, err = preflight(tmp_path, capsys, rows, id_column="id", model={"quantization": "fp8", "max_model_len": 10**6})
-    assert rc == 2 and "preflight found 3 problem(s); no generate job was submitted" in err
+    assert rc == 2 and "preflight found 4 problem(s); no generate job was submitted" in err
     assert "input.id_column: 'id' is not unique" in err
     assert "model.quantization: 'fp8' needs a CUDA GPU" in err
+    assert "model.quantization: 'fp8' no longer quantizes a BF16/FP16 checkpoint at load in vLLM 0.32.0" in err
     assert "model.max_model_len: 1000000 is more than the model's own context" in err
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("quantization", "fp8_per_chanel", "model.quantization: 'fp8_per_chanel' is not one of vLLM 0.32.0's "
+         "(did you mean 'fp8_per_channel'?)"),
+        ("kv_cache_dtype", "fp8_e4m4", "model.kv_cache_dtype: 'fp8_e4m4' is not one of vLLM 0.32.0's"),
+    ],
+)  # fmt: skip
+def test_a_quantization_or_kv_cache_dtype_the_installed_vllm_does_not_know_is_refused(
+    tmp_path, capsys, model_dir, key, value, message
+):
+    rc, err = preflight(tmp_path, capsys, model={key: value})
+    assert rc == 2 and message in err
 
 
 def test_the_estimate_counts_every_sample_of_a_row(tmp_path, capsys, model_dir):

@@ -457,3 +457,13 @@ def test_the_typed_config_has_a_field_for_every_key_of_its_schema_section_and_no
         for key, value in run.raw[section].items():  # keys with no default (input.hf, ...) may be absent
             assert typed[key] == (tuple(value) if isinstance(value, list) else value), f"{section}.{key}"
     assert run.model.gpus == 1 and run.sampling.max_tokens == 256 and dict(run.model) == run.raw["model"]
+
+
+def test_the_cpus_a_job_asks_for_follow_its_gpus_unless_set():
+    def run(**model):
+        return cfg.RunConfig.from_dict(minimal() | {"model": {"model": "m", **model}})
+
+    assert run().cpus_per_job == 8
+    assert run(tensor_parallel_size=4).cpus_per_job == 12
+    assert run(tensor_parallel_size=4, pipeline_parallel_size=2).cpus_per_job == 20
+    assert cfg.RunConfig.from_dict(minimal() | {"resources": {"cpus_per_task": 3}}).cpus_per_job == 3

@@ -118,3 +118,84 @@ def test_row_seeds_are_fixed_values_whatever_the_process_and_its_hash_seed():
         for seed in ("1", "2")
     ]
     assert results[0] == results[1] == EXPECTED_SEEDS
+
+
+def test_no_out_of_memory_retry_changes_what_decides_a_rows_text():
+    """A retry steps only runtime settings: the fingerprint (and a row's precision) stays what it was."""
+    from shardgen.config import RUNTIME_MODEL_KEYS
+
+    used = {"max_num_seqs": 1024, "gpu_memory_utilization": 0.92, "kv_cache_memory_bytes": 2**30}
+    for kind in memory.FAILURE_PATTERNS:
+        assert set(memory.next_settings(kind, used)) <= RUNTIME_MODEL_KEYS, kind
+
+
+# -- The settings of a job on a GPU (recorded nvidia-smi output; vLLM's CPU build) ---------------------
+
+H100_550 = "0, GPU-5d5ba0d6-1a2b-3c4d-5e6f-000000000000, NVIDIA H100 80GB HBM3, 81559, 550.54.15, 9.0\n"
+H100_580 = "0, GPU-5d5ba0d6-1a2b-3c4d-5e6f-000000000000, NVIDIA H100 80GB HBM3, 81559, 580.65.06, 9.0\n"
+V100 = "0, GPU-12345678-1234-1234-1234-123456789012, Tesla V100-SXM2-32GB, 32768, 580.65.06, 7.0\n"
+
+
+def job_settings(monkeypatch, tmp_path, smi: str | None = None, cuda: str | None = None, **model):
+    from shardgen import engine, gpus, kernels
+    from shardgen.config import RunConfig
+    from tests.conftest import MODEL
+
+    if smi is not None:
+        monkeypatch.setattr(engine, "vllm_build", lambda: "cuda")
+        monkeypatch.setattr(gpus, "describe_gpus", lambda *a, **k: gpus.parse_nvidia_smi(smi))
+        monkeypatch.setattr(kernels, "torch_cuda", lambda: cuda)
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    config = RunConfig.from_dict(
+        {
+            "input": {"parquet": ["x.parquet"]},
+            "prompt": {"template": "{{ t }}"},
+            "model": {"model": str(MODEL), **model},
+        }
+    )
+    return engine.EngineSettings.for_job(config, {"path": str(MODEL)}, [])
+
+
+def test_a_job_spawns_vllms_processes_and_keeps_its_caches_per_node(monkeypatch, tmp_path):
+    from shardgen import jobinfo
+
+    settings = job_settings(monkeypatch, tmp_path)
+    assert settings.environment == {
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "VLLM_CACHE_ROOT": str(tmp_path / "vllm" / "shardgen-nodes" / jobinfo.host()),
+    }
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/scratch/mine")  # the documented override
+    from shardgen.engine import cache_root
+
+    assert cache_root("node17") == "/scratch/mine"
+
+
+def test_batch_invariance_is_an_environment_switch_for_the_engine_and_not_an_engine_argument(monkeypatch, tmp_path):
+    settings = job_settings(monkeypatch, tmp_path, H100_580, "13.0", batch_invariant=True)
+    assert settings.environment["VLLM_BATCH_INVARIANT"] == "1"
+    assert "batch_invariant" not in settings.kwargs
+
+
+def test_a_node_whose_driver_is_too_old_for_the_cuda_build_stops_before_the_engine(monkeypatch, tmp_path):
+    from shardgen.engine import WrongGpus
+
+    with pytest.raises(WrongGpus, match=r"driver on this node is 550.54.15.*CUDA 13.0, which needs driver 580.00"):
+        job_settings(monkeypatch, tmp_path, H100_550, "13.0")
+    assert job_settings(monkeypatch, tmp_path, H100_580, "13.0").gpus[0]["driver"] == "580.65.06"
+
+
+def test_batch_invariance_on_gpus_without_its_kernels_stops_before_the_engine(monkeypatch, tmp_path):
+    from shardgen.engine import WrongGpus
+
+    with pytest.raises(WrongGpus, match=r"model.batch_invariant: Tesla V100-SXM2-32GB has compute capability 7.0"):
+        job_settings(monkeypatch, tmp_path, V100, "13.0", batch_invariant=True)
+
+
+def test_a_job_on_another_vllm_than_the_supported_one_stops_naming_both(monkeypatch, tmp_path):
+    from shardgen import installed
+    from shardgen.engine import UnsupportedVllm
+
+    monkeypatch.setattr(installed, "vllm", lambda: ("cuda", "0.33.1"))
+    with pytest.raises(UnsupportedVllm, match=r"vLLM 0.33.1 is installed, and shardgen supports vLLM 0.32.0"):
+        job_settings(monkeypatch, tmp_path)

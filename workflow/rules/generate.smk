@@ -16,13 +16,13 @@ rule generate_shard:
         "../envs/generate.yaml"
     container:
         RUN.software.container
-    threads: RUN.resources.cpus_per_task
+    threads: RUN.cpus_per_job
     resources:
         # all GPUs of a job on one node, one vLLM process that sees them all
         gpu=GPUS,
         tasks_per_gpu=0,
         nodes=1,
-        cpus_per_task=RUN.resources.cpus_per_task,
+        cpus_per_task=RUN.cpus_per_job,
         mem_mb=RUN.resources.mem_mb,
         runtime=generate_runtime,
         slurm_extra=slurm_signal,
