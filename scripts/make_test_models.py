@@ -31,8 +31,14 @@ def make_toy(demo: Path, out: Path) -> None:
 
     config = AutoConfig.from_pretrained(demo)
     config.update(
-        {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 1,
-         "num_key_value_heads": 1, "head_dim": 64}  # fmt: skip
+        {
+            "num_hidden_layers": 1,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 1,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+        }
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
