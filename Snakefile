@@ -56,10 +56,11 @@ rule all:
         rules.push_to_hub.output if RUN.output.push_to_hub else [],
 
 
-# One run per output directory: taken before the first job, never by a dry
-# run; released when this process ends, however it ends.
+# Before the first job, never in a dry run: one run per output directory
+# (released when this process ends, however it ends); with Slurm, generate
+# jobs that no node can run are refused, and the queue is watched.
 onstart:
-    lock_output_dir()
+    start_run()
 
 
 onsuccess:

@@ -27,4 +27,16 @@ case "$flavor" in
     ;;
   *) echo "SHARDGEN_VLLM must be gpu or cpu, not '$flavor'" >&2; exit 2 ;;
 esac
-"$venv/bin/python" -c "import vllm, transformers, snakemake; print('setup: vllm', vllm.__version__)"
+# Last, because any later resolve puts the old one back: the Slurm executor
+# plugin that submits without pausing, without its numpy>=2.4.5 requirement,
+# which vLLM's dependencies refuse (src/shardgen/installed.py, SLURM_PLUGIN).
+plugin=$("$venv/bin/python" -c "from shardgen.installed import SLURM_PLUGIN; print(SLURM_PLUGIN)")
+$pip install --quiet --no-deps "snakemake-executor-plugin-slurm==$plugin"
+"$venv/bin/python" - <<'PY'
+import vllm, transformers, snakemake
+from shardgen.installed import slurm_plugin_problem
+problem = slurm_plugin_problem()
+if problem:
+    raise SystemExit(f"setup: {problem}")
+print("setup: vllm", vllm.__version__)
+PY

@@ -34,16 +34,18 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--report", required=True, help="where to write the preflight report (JSON)")
     pre.add_argument("--model-record", help="where the fetch step found the model (its JSON record)")
 
-    gen = sub.add_parser("generate", help="run vLLM over one shard, or several with one engine start")
+    gen = sub.add_parser(
+        "generate", help="run vLLM over one shard, several with one engine start, or as an elastic worker"
+    )
     gen.add_argument("--config", required=True)
     gen.add_argument("--manifest", required=True)
-    gen.add_argument(
-        "--shard", required=True, help="shard id, or several separated by commas (one engine start)", type=_ids
-    )
+    which = gen.add_mutually_exclusive_group(required=True)
+    which.add_argument("--shard", help="shard id, or several separated by commas (one engine start)", type=_ids)
+    which.add_argument("--worker", type=int, help="elastic worker: claim shards until none is left (shards.workers)")
     gen.add_argument("--output", help="the shard's Parquet output (one shard)")
     gen.add_argument("--stats", help="the shard's stats JSON (one shard)")
     gen.add_argument("--shard-dir", help="where several shards' outputs and stats go")
-    gen.add_argument("--record", help="with --shard-dir: the job's record of its shards (JSON)")
+    gen.add_argument("--record", help="with --shard-dir: the job's or the worker's record (JSON)")
     gen.add_argument("--model-record", help="where the fetch step found the model (its JSON record)")
 
     push = sub.add_parser("push", help="push the merged output to output.push_to_hub (token from HF_TOKEN)")
@@ -52,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     push.add_argument("--record", required=True, help="where to write what was pushed (JSON)")
 
     sub.add_parser("engine-version", help="print the installed vLLM's version (without importing it)")
+
+    status = sub.add_parser("status", help="where a run stands: rows, rate, ETA, shards by state, errors")
+    where = status.add_mutually_exclusive_group()
+    where.add_argument("--configfile", help="the run's config (its output.dir); default config/config.yaml")
+    where.add_argument("--dir", help="the run's output directory")
+    status.add_argument("--window", type=float, default=10.0, help="minutes over which the rate is measured")
+    status.add_argument("--all", action="store_true", help="list every running shard, not only the slowest five")
 
     fetch = sub.add_parser("fetch-model", help="find the model on disk, or download it once, before any job")
     fetch.add_argument("--config", required=True)
@@ -108,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             from shardgen.generate import main_generate
 
             one = args.shard_dir is None
-            if one == (args.output is None or args.stats is None) or (one and len(args.shard) != 1):
+            if args.worker is not None and (one or args.record is None):
+                raise ShardgenError("generate: a --worker needs --shard-dir and --record")
+            if args.worker is None and (
+                one == (args.output is None or args.stats is None) or (one and len(args.shard) != 1)
+            ):
                 raise ShardgenError("generate: give --output and --stats for one shard, or --shard-dir for several")
             return main_generate(
                 _load(args.config),
@@ -119,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.model_record,
                 args.shard_dir,
                 args.record,
+                args.worker,
             )
         if args.command == "push":
             from shardgen.merge import push
@@ -126,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
             record = push(_load(args.config), args.dataset, args.record)
             print(f"pushed {record['rows']} rows to {record['repo_id']}", file=sys.stderr)
             return 0
+        if args.command == "status":
+            from shardgen.status import main_status
+
+            out_dir = args.dir or cfg.RunConfig.load(args.configfile or "config/config.yaml").output.dir
+            return main_status(out_dir, args.window, args.all)
         if args.command == "engine-version":
             print(cfg.engine_version())
             return 0

@@ -143,6 +143,12 @@ def check_consistency(config: dict[str, Any]) -> None:
         raise ConfigError(
             f"sampling.min_tokens ({sampling['min_tokens']}) is larger than sampling.max_tokens ({max_tokens})"
         )
+    shards = config.get("shards", {})
+    if shards.get("workers") and shards.get("per_job", 1) > 1:
+        raise ConfigError(
+            f"shards.workers ({shards['workers']}) and shards.per_job ({shards['per_job']}) both set: a worker "
+            "already runs shard after shard on one engine; drop shards.per_job"
+        )
     if prompt.get("system") and not prompt.get("chat", True):
         raise ConfigError(
             "prompt.system is set but prompt.chat is false: a system message needs the chat template; "
@@ -337,6 +343,9 @@ class InputConfig:
 class ShardsConfig:
     rows_per_shard: int = 10000
     per_job: int = 1
+    workers: int | None = None
+    lease_seconds: float = 300
+    balance: str = "rows"
 
 
 @dataclass(frozen=True)

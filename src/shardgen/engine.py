@@ -237,6 +237,8 @@ class Engine:
     def __init__(self, llm: Any = None) -> None:
         self.llm = llm
         self._owned = llm is None
+        self._kwargs: dict[str, Any] | None = None
+        self.starts = 0  # engines this handle started
 
     @property
     def running(self) -> bool:
@@ -244,11 +246,16 @@ class Engine:
 
     def start(self, settings: EngineSettings) -> Any:
         """The running ``vllm.LLM``, started from ``settings`` if there is none yet (seconds to minutes:
-        weights, KV cache, CUDA graphs)."""
+        weights, KV cache, CUDA graphs). An engine this handle started with other settings (a shard
+        whose earlier attempts ran out of memory takes lower ones) is stopped and started again."""
+        if self.llm is not None and self._owned and settings.kwargs != self._kwargs:
+            self.close()
         if self.llm is None:
             from vllm import LLM
 
             self.llm = LLM(**settings.kwargs)
+            self._kwargs = settings.kwargs
+            self.starts += 1
         return self.llm
 
     def close(self) -> None:

@@ -413,4 +413,5 @@ class ShardFeed:
         job = self.job
         done = len(job.done) + self.counters.rows
         job.ckpt.write_progress({**job.progress, "time": now, "rows": job.shard.rows, "done": done,
-                                 "saved": job.ckpt.saved_inputs})  # fmt: skip
+                                 "resumed": len(job.done), "saved": job.ckpt.saved_inputs,
+                                 "error_reasons": job.budget.reasons})  # fmt: skip

@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,9 +107,16 @@ class ShardJob:
 
     @classmethod
     def prepare(
-        cls, config: RunConfig, manifest_path: str | Path, shard_id: str, model_record: dict[str, Any] | None = None
+        cls,
+        config: RunConfig,
+        manifest_path: str | Path,
+        shard_id: str,
+        model_record: dict[str, Any] | None = None,
+        guard: Callable[[], None] | None = None,
     ) -> ShardJob:
         """Open the shard's input and checkpoint, resume what is saved, and record this attempt's start.
+
+        ``guard`` is called before every write of the shard's files (an elastic worker's claim check).
 
         Raises:
             InputError: the input changed since planning.
@@ -128,6 +135,8 @@ class ShardJob:
         schema = ResultSpec.of(config).schema(source.schema, fingerprint, config.fingerprint, shard.id)
         out_dir = Path(config.output.dir)
         ckpt = ShardCheckpoint(out_dir / "checkpoints" / shard.id, shard.start, shard.stop, schema, below=out_dir)
+        if guard is not None:
+            ckpt.guard = guard
         done = ckpt.resume()
         log.info("shard %s: rows [%d, %d), %d done in checkpoints", shard.id, shard.start, shard.stop, len(done))
         attempts = ckpt.attempts()
@@ -163,7 +172,7 @@ class ShardJob:
     def progress(self) -> dict[str, Any]:
         """What every progress.json of this attempt says about who writes it."""
         return {"attempt": self.attempt["attempt"], "host": self.attempt["host"], "pid": self.attempt["pid"],
-                "job_id": self.attempt["slurm"].get("job_id")}  # fmt: skip
+                "job_id": self.attempt["slurm"].get("job_id"), "started": self.started}  # fmt: skip
 
     def memory_failures(self) -> list[dict[str, Any]]:
         """Earlier attempts that ran out of memory, oldest first: kind, stage, error, settings used."""
@@ -259,6 +268,7 @@ def run_shard(
     engine: Engine | None = None,
     model_record: dict[str, Any] | None = None,
     window: int | None = None,
+    guard: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Generate one shard and commit its output and stats. Returns the stats.
 
@@ -268,6 +278,7 @@ def run_shard(
         model_record: where the fetch step found the model (``fetch.resolve_model``);
             when None, it is looked up on the local disk only.
         window: requests kept in flight (default: twice the engine's ``max_num_seqs``).
+        guard: called before every write of the shard's files (an elastic worker's claim check).
 
     Raises:
         Interrupted: SIGTERM or SIGINT arrived; finished rows are saved.
@@ -278,7 +289,7 @@ def run_shard(
     engine = engine or Engine()
     try:
         with _StopFlag() as stop:
-            job = ShardJob.prepare(config, manifest_path, shard_id, model_record)
+            job = ShardJob.prepare(config, manifest_path, shard_id, model_record, guard)
             counters = AttemptCounters()
             try:
                 run = _run(job, engine, stop, counters, window)
@@ -312,6 +323,8 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
     try:
         llm = engine.start(settings)
     except Exception as e:
+        if stop.caused(e):  # Slurm's SIGTERM reaches the engine's processes too, and fails the start
+            raise Interrupted(stop.signal, job.shard.id) from e
         _raise_if_memory(e, "engine start", memory.used_settings(settings.model, settings.memory_defaults), log_start)
         raise
     run.engine_seconds = time.time() - t0  # about 0 when the job's engine was running already
@@ -370,6 +383,77 @@ def run_shards(
     return done
 
 
+def run_worker(
+    config: RunConfig,
+    manifest_path: str | Path,
+    worker: int,
+    shard_dir: str | Path,
+    model_record: dict[str, Any] | None = None,
+    engine: Engine | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
+    """One elastic worker (``shards.workers``): claim shards and run each as ``run_shard`` does, on one
+    engine, until no shard is left for this worker (``claims.ClaimBoard.next``). Returns the worker's
+    record: the shards it committed, took over or lost, its engine starts and where its time went.
+
+    Raises:
+        Interrupted: SIGTERM or SIGINT; the shard's rows are saved and its claim kept for this worker's
+            retry (or, after the lease, another worker).
+        OutOfMemory, TooManyErrors, ...: a shard failed; its claim is marked failed, so only this
+            worker's retry tries it again.
+    """
+    from shardgen.claims import ClaimBoard, ClaimLost, Holder
+
+    started = time.time()
+    manifest = Manifest.load(manifest_path)
+    shard_dir = Path(shard_dir)
+    out_dir = Path(config.output.dir)
+    holder = Holder.here(worker)
+    board = ClaimBoard(out_dir / "claims", holder, config.shards.lease_seconds, below=out_dir, sleep=sleep)
+    own = engine is None
+    engine = engine or Engine()
+    record: dict[str, Any] = {"worker": worker, "host": holder.host, "job_id": holder.job_id, "committed": [],
+                              "kept": [], "taken_over": [], "lost": []}  # fmt: skip
+    done: set[str] = set()
+
+    def is_done(shard_id: str) -> bool:
+        if shard_id not in done and committed(config, manifest, manifest.shard(shard_id), shard_dir):
+            done.add(shard_id)
+        return shard_id in done
+
+    try:
+        while (claim := board.next([s.id for s in manifest.shards], is_done)) is not None:
+            with claim:
+                shard_id = claim.shard
+                if claim.took_over and claim.took_over.get("worker") != worker:
+                    record["taken_over"].append(shard_id)
+                if is_done(shard_id):
+                    record["kept"].append(shard_id)
+                    claim.release()
+                    continue
+                out, stats = shard_dir / f"{shard_id}.parquet", shard_dir / f"{shard_id}.stats.json"
+                try:
+                    run_shard(config, manifest_path, shard_id, out, stats, engine, model_record, guard=claim.check)
+                except ClaimLost as e:
+                    log.warning("%s", e)
+                    record["lost"].append(shard_id)
+                    continue
+                except Interrupted:
+                    raise
+                except BaseException as e:
+                    claim.mark_failed(e)
+                    raise
+                done.add(shard_id)
+                record["committed"].append(shard_id)
+                claim.release()
+    finally:
+        board.close()
+        if own:
+            engine.close()
+    record.update(engine_starts=engine.starts, seconds=time.time() - started)
+    return record
+
+
 def committed(config: RunConfig, manifest: Manifest, shard: Shard, shard_dir: Path) -> bool:
     """Whether the shard's file and stats are already there, made with this config and input."""
     import pyarrow.parquet as pq
@@ -381,14 +465,23 @@ def committed(config: RunConfig, manifest: Manifest, shard: Shard, shard_dir: Pa
     return meta.get(FINGERPRINT_KEY, b"").decode() == shard_fingerprint(config, manifest, shard)
 
 
-def main_generate(config, manifest, shards, output, stats, model_record=None, shard_dir=None, record=None) -> int:
-    """One shard (``output``, ``stats``) or several in one job (``shard_dir``, and a job ``record``)."""
+def main_generate(
+    config, manifest, shards, output, stats, model_record=None, shard_dir=None, record=None, worker=None
+) -> int:
+    """One shard (``output``, ``stats``), several in one job (``shard_dir``, and a job ``record``), or
+    an elastic worker (``worker``, ``shard_dir`` and its ``record``)."""
     from shardgen.fetch import load_record
 
     model = load_record(model_record) if model_record else None
     job = os.environ.get("SLURM_JOB_ID")
     log.info("start on %s%s (pid %d)", jobinfo.host(), f", Slurm job {job}" if job else "", os.getpid())
     try:
+        if worker is not None:
+            result = run_worker(config, manifest, worker, shard_dir, model)
+            atomic_write_text(record, json.dumps(result, indent=1) + "\n")
+            print(f"worker {worker}: {len(result['committed'])} shard(s) committed, "
+                  f"{len(result['taken_over'])} taken over, {len(result['lost'])} lost", file=sys.stderr)  # fmt: skip
+            return 0
         if shard_dir is None:
             (shard,) = shards
             done = [run_shard(config, manifest, shard, output, stats, model_record=model)]
@@ -477,7 +570,9 @@ def _outcome(error: BaseException) -> dict[str, Any]:
         return {"outcome": "interrupted", "signal": error.signal_name}
     if isinstance(error, OutOfMemory):
         return {"outcome": "out_of_memory", **error.record}
-    kind = {TooManyErrors: "too_many_errors", WrongGpus: "wrong_gpus", UnsupportedVllm: "unsupported_vllm"}.get(
-        type(error), "failed"
-    )
+    from shardgen.claims import ClaimLost
+
+    kinds = {TooManyErrors: "too_many_errors", WrongGpus: "wrong_gpus", UnsupportedVllm: "unsupported_vllm",
+             ClaimLost: "claim_lost"}  # fmt: skip
+    kind = kinds.get(type(error), "failed")
     return {"outcome": kind, "error": f"{type(error).__name__}: {error}"[:1000]}

@@ -55,3 +55,28 @@ def version_problem() -> str | None:
             "CPU build)"
         )
     return None
+
+
+# The Slurm executor plugin the controller submits with. Releases before 2.7.1 pause 5 s before
+# every sbatch on two threads (24 jobs a minute: hours for 10,000 shards); 2.7.1 and later do not,
+# but declare numpy>=2.4.5, which vLLM's dependency mistral_common refuses on Python <= 3.12
+# (numpy<2.4). The plugin uses numpy only for np.inf, so scripts/setup-venv.sh installs this
+# version without its dependencies, last, and checks it.
+SLURM_PLUGIN = "2.8.0"
+SLURM_PLUGIN_NO_PAUSE = (2, 7, 1)
+
+
+def slurm_plugin_problem() -> str | None:
+    """Why the installed Slurm executor plugin would submit slowly; None when it would not (or is absent)."""
+    try:
+        version = metadata.version("snakemake-executor-plugin-slurm")
+    except metadata.PackageNotFoundError:
+        return None
+    parts = tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
+    if parts >= SLURM_PLUGIN_NO_PAUSE:
+        return None
+    return (
+        f"the Slurm executor plugin {version} pauses 5 s before every submission (about 24 jobs a minute); "
+        f"make setup installs {SLURM_PLUGIN}, which does not (a later pip install may have put the old one back: "
+        "run scripts/setup-venv.sh again)"
+    )

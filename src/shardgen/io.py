@@ -185,6 +185,33 @@ class Dir:
         finally:
             os.close(fd)
 
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Create ``name`` holding ``data`` unless it exists: True for the one caller that created it,
+        however many race (``O_EXCL``, atomic on local file systems and on NFSv3 and later)."""
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW, 0o666, dir_fd=self.fd)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
+    def touch(self, name: str) -> float:
+        """Set ``name``'s modification time to now, as the file system's clock has it (on NFS, the
+        server's: a time of None is sent as "set to server time"); return that time.
+
+        Raises:
+            FileNotFoundError: ``name`` is gone.
+        """
+        os.utime(name, None, dir_fd=self.fd, follow_symlinks=False)
+        return self.mtime(name)
+
+    def mtime(self, name: str) -> float:
+        return os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mtime
+
     def move(self, name: str, dest: Dir, new_name: str | None = None) -> None:
         os.rename(name, new_name or name, src_dir_fd=self.fd, dst_dir_fd=dest.fd)
 

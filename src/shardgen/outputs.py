@@ -14,7 +14,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,9 @@ class ShardCheckpoint:
         self.schema = schema
         self.fingerprint = schema.metadata[FINGERPRINT_KEY].decode()
         self.shard_id = schema.metadata[SHARD_KEY].decode()
+        # called before every write of the shard's files: an elastic worker's claim check
+        # (claims.Claim.check), which raises when another worker took the shard over
+        self.guard: Callable[[], None] = lambda: None
         self.per_row = rows_per_input(schema)
         self.rows = stop - start
         self._tables: list[pa.Table] = []
@@ -208,6 +211,7 @@ class ShardCheckpoint:
         """Write finished rows as one new part file."""
         if not rows:
             return
+        self.guard()
         table = pa.Table.from_pylist(rows, schema=self.schema)
         name = f"part-{self._next:06d}.parquet"
         self.dir.write_atomic(name, lambda f: pq.write_table(table, f, compression="zstd"))
@@ -242,6 +246,7 @@ class ShardCheckpoint:
         return out
 
     def write_progress(self, progress: dict[str, Any]) -> None:
+        self.guard()
         self.dir.write_atomic(PROGRESS, lambda f: f.write(json.dumps(progress).encode()))
 
     # -- commit -----------------------------------------------------------------------------------
@@ -261,6 +266,7 @@ class ShardCheckpoint:
         missing, extra = count_problems(table.column("row_index").to_numpy(), self.start, self.stop, self.per_row)
         if missing or extra:
             raise InputError(f"shard rows [{self.start}, {self.stop}): {missing} missing, {extra} repeated")
+        self.guard()
         write_table(table.replace_schema_metadata(self.schema.metadata), path, self.below)
         for name in [*self._parts, ATTEMPTS, PROGRESS]:
             self.dir.unlink(name)

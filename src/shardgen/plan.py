@@ -9,8 +9,12 @@ manifest.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
+import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +61,60 @@ def make_shards(source: Source, rows_per_shard: int) -> list[Shard]:
     return shards
 
 
+# shards.balance: tokens. Prompt bytes per token of a BPE tokenizer on English text (an estimate:
+# only the balance between prompt and output work depends on it), and the bound on a shard's rows.
+BYTES_PER_TOKEN = 4
+MAX_ROWS_FACTOR = 4
+
+
+def make_balanced_shards(
+    source: Source, rows_per_shard: int, blocks: Iterable[tuple[int, int]], output_tokens: int
+) -> tuple[list[Shard], list[float]]:
+    """Shards of about equal estimated work, and the work of each (tokens).
+
+    ``blocks``: ``(rows, prompt bytes)`` in row order (``Source.byte_blocks``);
+    a row's work is its block's prompt bytes per row as tokens, plus
+    ``output_tokens``. As many shards as ``rows_per_shard`` would give, cut
+    where the cumulative work first reaches each multiple of total ÷ count,
+    and none larger than ``MAX_ROWS_FACTOR × rows_per_shard`` rows (such cuts
+    add shards).
+    """
+    firsts, per_row, before = [], [], [0.0]  # per block: first row, work per row, work before it
+    row = 0
+    for rows, size in blocks:
+        if rows:
+            firsts.append(row)
+            per_row.append(size / rows / BYTES_PER_TOKEN + output_tokens)
+            before.append(before[-1] + rows * per_row[-1])
+            row += rows
+    total = source.num_rows
+    if row != total:
+        raise InputError(f"input: the metadata describes {row} rows, the source has {total}; plan again")
+    firsts.append(total)
+
+    def work_to(r: int) -> float:  # the work of rows [0, r)
+        i = max(bisect.bisect_right(firsts, r) - 1, 0)
+        return before[i] + (r - firsts[i]) * per_row[i] if i < len(per_row) else before[-1]
+
+    def row_reaching(x: float) -> int:  # the fewest rows whose work reaches x
+        i = min(max(bisect.bisect_left(before, x) - 1, 0), len(per_row) - 1)
+        return min(firsts[i] + math.ceil((x - before[i]) / per_row[i] - 1e-9), total)
+
+    count = -(-total // rows_per_shard)
+    target = before[-1] / count
+    cuts, k = [0], 1
+    while cuts[-1] < total:
+        start = cuts[-1]
+        stop = row_reaching(k * target) if k < count else total
+        cuts.append(min(max(stop, start + 1), start + MAX_ROWS_FACTOR * rows_per_shard, total))
+        while k < count and work_to(cuts[-1]) >= k * target * (1 - 1e-12):
+            k += 1
+    width = shard_id_width(len(cuts) - 1)
+    pairs = list(itertools.pairwise(cuts))
+    shards = [Shard(f"{i:0{width}d}", a, b, source.segments(a, b)) for i, (a, b) in enumerate(pairs)]
+    return shards, [work_to(b) - work_to(a) for a, b in pairs]
+
+
 def build_manifest(config: RunConfig) -> dict[str, Any]:
     """The manifest for a run.
 
@@ -78,16 +136,32 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
             f"input: {source.describe()} has no rows; nothing to generate. "
             "Set input.allow_empty: true to end such runs cleanly with an empty output"
         )
-    shards = make_shards(source, config.shards.rows_per_shard)
+    per_shard = config.shards.rows_per_shard
+    works: list[float] | None = None
+    if config.shards.balance == "tokens" and source.num_rows:
+        blocks = source.byte_blocks(sorted(renderer.columns))
+        output_tokens = config.sampling.max_tokens * config.sampling.n
+        shards, works = make_balanced_shards(source, per_shard, blocks, output_tokens)
+    else:
+        shards = make_shards(source, per_shard)
+    entries = []
+    for i, s in enumerate(shards):
+        entry = {
+            "id": s.id,
+            "start": s.start,
+            "stop": s.stop,
+            "segments": [[g.file, g.start, g.stop] for g in s.segments],
+        }
+        if works is not None:
+            entry["estimated_tokens"] = round(works[i])
+        entries.append(entry)
     return {
         "version": MANIFEST_VERSION,
         "source": source.to_manifest(),
         "total_rows": source.num_rows,
-        "rows_per_shard": config.shards.rows_per_shard,
-        "shards": [
-            {"id": s.id, "start": s.start, "stop": s.stop, "segments": [[g.file, g.start, g.stop] for g in s.segments]}
-            for s in shards
-        ],
+        "rows_per_shard": per_shard,
+        "balance": config.shards.balance,
+        "shards": entries,
     }
 
 

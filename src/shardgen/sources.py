@@ -197,6 +197,21 @@ class ParquetSource:
                 if pos >= seg.stop:
                     break
 
+    def byte_blocks(self, columns: list[str]) -> Iterator[tuple[int, int]]:
+        """``(rows, bytes)`` of each row group in row order: the uncompressed size of the ``columns``
+        (every leaf of a nested one), from the files' footers only."""
+        wanted = set(columns)
+        for info in self.files:
+            md = _parquet_file(info.path).metadata
+            for g in range(md.num_row_groups):
+                rg = md.row_group(g)
+                size = sum(
+                    rg.column(c).total_uncompressed_size
+                    for c in range(rg.num_columns)
+                    if rg.column(c).path_in_schema.split(".")[0] in wanted
+                )
+                yield rg.num_rows, size
+
 
 class HFSource:
     """A Hugging Face ``datasets.Dataset``: from ``load_dataset`` or ``load_from_disk``.
@@ -284,6 +299,12 @@ class HFSource:
             part = ds.select(range(seg.start, seg.stop)).with_format("arrow")
             for table in part.iter(batch_size=batch_rows):
                 yield from table.to_batches()
+
+    def byte_blocks(self, columns: list[str], block_rows: int = BATCH_ROWS) -> Iterator[tuple[int, int]]:
+        """``(rows, bytes)`` of each block of ``block_rows`` rows: the Arrow buffer sizes of the
+        ``columns`` in the memory-mapped dataset (sizes come from offsets, no value is decoded)."""
+        for batch in self.read(self.segments(0, self.num_rows), block_rows, columns):
+            yield batch.num_rows, batch.nbytes
 
 
 Source = ParquetSource | HFSource

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import subprocess
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from shardgen.installed import slurm_plugin_problem
 from tests.conftest import TEST_MODEL_CFG, make_rows, write_parquet
-from tests.integration.workflow import dry_run_jobs, run_workflow, workflow_config
+from tests.integration.workflow import Background, dry_run_jobs, run_workflow, workflow_config
 
 pytestmark = pytest.mark.engine
 
@@ -49,7 +52,9 @@ def check_output(workdir, ids: list[str]) -> tuple:
 
 
 @pytest.mark.slurm
-def test_slurm_profile_runs_one_gpu_job_per_shard_and_merges_every_parsed_row_once(tmp_path, slurm_cluster):
+def test_slurm_profile_submits_a_job_per_shard_without_pausing_retries_a_cancelled_one_alone_and_merges_every_row(
+    tmp_path, slurm_cluster
+):
     sizes, files, start = [12, 8], [], 0
     for i, n in enumerate(sizes):
         files.append(str(write_parquet(tmp_path / "data" / f"part-{i}.parquet", make_rows(n, start))))
@@ -60,22 +65,37 @@ def test_slurm_profile_runs_one_gpu_job_per_shard_and_merges_every_parsed_row_on
     compact = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
     config = workflow_config(
         {"parquet": [str(tmp_path / "data" / "*.parquet")], "id_column": "id"},
+        shards={"rows_per_shard": 7},
         model={**TEST_MODEL_CFG, "extra": compact},
         sampling={"temperature": 0.0, "max_tokens": 48, "structured_outputs": {"json": schema}},
     )
-    r = run_workflow(tmp_path, config, "slurm")
+    # the three jobs go out in one round: no pause between submissions (plugin >= 2.7.1; 2.6.1 pauses
+    # 5 s per pair); the node's 2 CPUs run one job at a time, and the first shard's job, cancelled
+    # while its engine starts, is the one submitted again
+    assert slurm_plugin_problem() is None
+    run = Background(tmp_path, config, "slurm")
+    attempts_file = tmp_path / "results" / "checkpoints" / "00000" / "attempts.jsonl"
+    run.wait_until(attempts_file.exists, 600, "the first shard's job to start")
+    cancelled = json.loads(attempts_file.read_text().splitlines()[0])["slurm"]["job_id"]
+    subprocess.run(["scancel", cancelled], check=True)
+    text = run.wait()
     table, stats = check_output(tmp_path, [f"r{i:05d}" for i in range(20)])
     assert all(isinstance(p["answer"], str) for p in table.column("parsed").to_pylist())
     assert all(g.startswith('{"answer":') for g in table.column("generation").to_pylist()), "compact JSON"
-    assert len(stats["shards"]) == 2  # 20 rows in shards of 10, over two files
+    assert len(stats["shards"]) == 3  # 20 rows in shards of 7, over two files
     for s in stats["shards"]:
         assert s["slurm"].get("job_id"), "each shard ran as a Slurm job"
         assert s["cuda_visible_devices"] == "0", "the job was given one (fake) GPU by the scheduler"
         assert s["gpus"] == 1
         assert "OMP_NUM_THREADS" in s["thread_env_removed"]
         assert s["queue_wait_seconds"] >= 0 and s["slurm"]["submit_time"], "Slurm's queue wait, from scontrol"
-    assert len({s["slurm"]["job_id"] for s in stats["shards"]}) == 2
-    assert "output: results/output.parquet" in r.stdout + r.stderr
+    shard_dir = tmp_path / "results" / "shards"
+    attempts = [json.loads((shard_dir / f"{s['shard']}.stats.json").read_text())["attempts"] for s in stats["shards"]]
+    assert [len(a) for a in attempts] == [2, 1, 1], "only the cancelled shard ran again"
+    assert attempts[0][0]["outcome"] == "interrupted" and attempts[0][0]["slurm"]["job_id"] == cancelled
+    first_round = sorted(datetime.datetime.fromisoformat(a[0]["slurm"]["submit_time"]) for a in attempts)
+    assert (first_round[-1] - first_round[0]).total_seconds() < 4, first_round
+    assert "output: results/output.parquet" in text
 
 
 def test_local_profile_runs_a_dataset_saved_with_save_to_disk_into_a_datasets_directory(tmp_path):

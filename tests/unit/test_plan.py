@@ -105,3 +105,81 @@ def test_an_input_column_that_clashes_with_an_output_column_is_refused(tmp_path)
     f = write_parquet(tmp_path / "a.parquet", [{"topic": "x", "generation": "old"}])
     with pytest.raises(InputError, match=r"\['generation'\] clash"):
         build_manifest(base_config({"parquet": [str(f)]}))
+
+
+# -- shards.balance: tokens ---------------------------------------------------------------------------
+
+
+def _skewed(tmp_path, long_len):
+    """1,000 short prompts, then 200 long ones, then 800 short: the work sits in a few row groups."""
+    rows = [{"id": f"r{i:05d}", "topic": (_text(i, long_len) if 1000 <= i < 1200 else "tea")} for i in range(2000)]
+    return write_parquet(tmp_path / "skew.parquet", rows, row_group_size=100)
+
+
+def _text(seed, length):
+    """Distinct text (Parquet would store repeated values once, in a dictionary)."""
+    import random
+
+    rng = random.Random(seed)
+    return "".join(rng.choice("abcdefgh ") for _ in range(length))
+
+
+def _true_work(path, shards, output_tokens):
+    """Each shard's work from the rows themselves (prompt bytes as tokens + output), not the estimate."""
+    import pyarrow.parquet as pq
+
+    lengths = [len(t) for t in pq.read_table(path, columns=["topic"]).column("topic").to_pylist()]
+    return [sum(lengths[s["start"] : s["stop"]]) / 4 + output_tokens * (s["stop"] - s["start"]) for s in shards]
+
+
+def test_token_balanced_shards_are_more_even_than_row_counts_on_skewed_data(tmp_path):
+    path = _skewed(tmp_path, long_len=400)
+    sampling = {"temperature": 0.0, "max_tokens": 16}
+    by_rows = build_manifest(base_config({"parquet": [str(path)]}, shards={"rows_per_shard": 100}, sampling=sampling))
+    by_work = build_manifest(
+        base_config({"parquet": [str(path)]}, shards={"rows_per_shard": 100, "balance": "tokens"}, sampling=sampling)
+    )
+    rows_work, balanced_work = _true_work(path, by_rows["shards"], 16), _true_work(path, by_work["shards"], 16)
+    # the same number of shards, each row exactly once, in order
+    assert len(by_work["shards"]) == len(by_rows["shards"]) == 20
+    assert by_work["shards"][0]["start"] == 0 and by_work["shards"][-1]["stop"] == 2000
+    assert all(a["stop"] == b["start"] for a, b in zip(by_work["shards"], by_work["shards"][1:], strict=False))
+    # the largest shard's work against the mean
+    spread = [max(w) / (sum(w) / len(w)) for w in (rows_work, balanced_work)]
+    assert spread[0] > 4 and spread[1] < 1.2, spread
+    assert by_work["balance"] == "tokens"
+    assert sum(s["estimated_tokens"] for s in by_work["shards"]) == pytest.approx(sum(balanced_work), rel=0.05)
+
+
+def test_token_balanced_shards_never_exceed_four_times_rows_per_shard(tmp_path):
+    """The long rows take almost all the work: the short stretches would make shards of ~1,000 rows,
+    and are cut at 4 x 100 instead (which adds shards)."""
+    path = _skewed(tmp_path, long_len=100_000)
+    config = base_config({"parquet": [str(path)]}, shards={"rows_per_shard": 100, "balance": "tokens"})
+    shards = build_manifest(config)["shards"]
+    assert max(s["stop"] - s["start"] for s in shards) == 400
+    assert len(shards) > 20
+    assert sum(s["stop"] - s["start"] for s in shards) == 2000
+
+
+def test_token_balanced_planning_is_deterministic_and_reads_metadata_only(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    path = _skewed(tmp_path, long_len=400)
+    config = base_config({"parquet": [str(path)]}, shards={"rows_per_shard": 100, "balance": "tokens"})
+    first = build_manifest(config)
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", lambda *a, **k: pytest.fail("read rows"))
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda *a, **k: pytest.fail("read rows"))
+    assert build_manifest(config) == first
+
+
+def test_token_balance_on_a_hugging_face_dataset_follows_the_arrow_sizes(tmp_path):
+    import datasets
+
+    rows = [{"id": f"r{i:05d}", "topic": (_text(i, 400) if i < 1024 else "tea")} for i in range(4096)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    config = base_config({"disk": str(tmp_path / "ds")}, shards={"rows_per_shard": 512, "balance": "tokens"})
+    shards = build_manifest(config)["shards"]
+    # the first 1,024 rows hold most of the work: most shards fall within them
+    assert len(shards) == 8 and shards[3]["stop"] <= 1024
+    assert shards[-1]["stop"] == 4096

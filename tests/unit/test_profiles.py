@@ -506,6 +506,6 @@ def test_every_value_a_rule_puts_on_a_command_line_is_quoted():
     unquoted = []
     for path in rules:
         for field in re.findall(r"\{((?:params|input|output|log)[^}]*)\}", path.read_text()):
-            if not field.endswith(":q") and field != "params.outputs":  # generate_outputs quotes its own
+            if not field.endswith(":q") and field != "params.job":  # generate_args quotes its own
                 unquoted.append(f"{path.name}: {{{field}}}")
     assert unquoted == []

@@ -1,9 +1,13 @@
 # Glue: paths, config lookups and input functions. Logic lives in the package.
 import json
+import os
 import shlex
+import signal
 from pathlib import Path
 
+from shardgen import cluster
 from shardgen import config as shardgen_config
+from shardgen.installed import slurm_plugin_problem
 from shardgen.formats import output_path
 from shardgen.io import restrict_umask
 from shardgen.runlock import RunLock
@@ -31,6 +35,7 @@ MODEL_RECORD = f"{PLAN_DIR}/model.json"
 CONFIG_JSON = shardgen_config.write_resolved(config, PLAN_DIR)
 GPUS = RUN.model.gpus
 PER_JOB = RUN.shards.per_job
+WORKERS = RUN.shards.workers
 
 
 def run_config(wildcards, output):
@@ -40,15 +45,50 @@ def run_config(wildcards, output):
     return CONFIG_JSON
 
 
-def lock_output_dir():
-    """Hold output.dir for this run (onstart); refuses when another run holds it."""
-    global RUN_LOCK
+# Which generate rule runs (one shard, several, or a worker per job), and the
+# longest a job may run on its partition in minutes (set at the start; None
+# when unlimited or unknown), which caps what generate_runtime asks for.
+GENERATE_RULE = (
+    "generate_worker"
+    if WORKERS
+    else "generate_shards" if PER_JOB > 1 else "generate_shard"
+)
+TIME_LIMIT = None
+
+
+def start_run():
+    """onstart, before the first job: hold output.dir for this run (refused when another run holds
+    it); with Slurm, refuse generate jobs no node can run and watch the queue for jobs that would
+    wait for ever."""
+    global RUN_LOCK, TIME_LIMIT, WATCHER
     RUN_LOCK = RunLock.acquire(OUT, Path.cwd(), RUN.fingerprint)
+    if workflow.executor_plugin is None or workflow.executor_plugin.name != "slurm":
+        return
+    problem = slurm_plugin_problem()
+    if problem:
+        logger.warning(f"shardgen: warning: {problem}")
+    nodes, default = cluster.sinfo()
+    runtime = RUN.resources.runtime * (
+        PER_JOB if GENERATE_RULE == "generate_shards" else 1
+    )
+    request = cluster.generate_request(
+        RUN, workflow.resource_settings, GENERATE_RULE, runtime
+    )
+    cluster.check_request(nodes, request, default)
+    TIME_LIMIT = cluster.partition_time_limit(nodes, request.partition, default)
+    WATCHER = cluster.PendingWatcher(str(Path.cwd()), stop=stop_run).start()
+
+
+def stop_run(message):
+    """Stop the run as Ctrl+C does: Snakemake cancels its Slurm jobs and exits with an error."""
+    logger.error(f"shardgen: error: {message}")
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 wildcard_constraints:
     shard=r"\d+",
     job=r"\d+",
+    worker=r"\d+",
 
 
 def shard_ids():
@@ -63,7 +103,18 @@ def job_shards():
     return {ids[i]: ids[i : i + PER_JOB] for i in range(0, len(ids), PER_JOB)}
 
 
+def worker_ids():
+    """shards.workers: the workers' indexes (no more workers than shards)."""
+    return [str(i) for i in range(min(WORKERS, len(shard_ids())))]
+
+
 def all_shard_outputs(wildcards):
+    if WORKERS:
+        return {
+            "workers": expand(
+                f"{SHARD_DIR}/workers/{{worker}}.json", worker=worker_ids()
+            )
+        }
     if PER_JOB > 1:
         return {"jobs": expand(f"{SHARD_DIR}/job-{{job}}.json", job=list(job_shards()))}
     ids = shard_ids()
@@ -73,25 +124,28 @@ def all_shard_outputs(wildcards):
     }
 
 
-def shards_of(wildcards):
-    """The shard ids a generate job runs, as one comma-separated argument (quoted by the rule)."""
-    ids = (
-        job_shards()[wildcards.job] if "job" in wildcards.keys() else [wildcards.shard]
-    )
-    return ",".join(ids)
-
-
-def generate_outputs(wildcards, output):
-    """Where a generate job writes: one shard's files, or a directory of several and the job's record."""
-    if "record" in output.keys():
-        return f"--shard-dir {shlex.quote(SHARD_DIR)} --record {shlex.quote(output.record)}"
-    return f"--output {shlex.quote(output.parquet)} --stats {shlex.quote(output.stats)}"
+def generate_args(wildcards, output):
+    """What a generate job runs and where it writes, each value quoted: one shard and its files; the
+    shards of a job (shards.per_job), their directory and the job's record; or an elastic worker
+    (shards.workers), the shards' directory and the worker's record."""
+    q = shlex.quote
+    if "worker" in wildcards.keys():
+        return f"--worker {q(wildcards.worker)} --shard-dir {q(SHARD_DIR)} --record {q(output.record)}"
+    if "job" in wildcards.keys():
+        shards = ",".join(job_shards()[wildcards.job])
+        return f"--shard {q(shards)} --shard-dir {q(SHARD_DIR)} --record {q(output.record)}"
+    return f"--shard {q(wildcards.shard)} --output {q(output.parquet)} --stats {q(output.stats)}"
 
 
 def generate_runtime(wildcards, attempt):
-    """Minutes: the configured limit per shard of the job, growing with each retry."""
-    shards = len(job_shards()[wildcards.job]) if "job" in wildcards.keys() else 1
-    return RUN.resources.runtime * shards * attempt
+    """Minutes: the configured limit per shard, times the shards of the job (a worker: its share of
+    the plan), growing with each retry."""
+    if "worker" in wildcards.keys():
+        shards = -(-len(shard_ids()) // len(worker_ids()))
+    else:
+        shards = len(job_shards()[wildcards.job]) if "job" in wildcards.keys() else 1
+    minutes = RUN.resources.runtime * shards * attempt
+    return min(minutes, int(TIME_LIMIT)) if TIME_LIMIT else minutes
 
 
 def slurm_signal(wildcards, attempt):

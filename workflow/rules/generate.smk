@@ -32,13 +32,11 @@ rule generate_shard:
         model_record=MODEL_RECORD,
         # rerun when anything that decides the generated text changes
         fingerprint=RUN.fingerprint,
-        shards=shards_of,
-        # quoted paths only
-        outputs=generate_outputs,
+        # the shards or the worker, and where they go: each value quoted
+        job=generate_args,
     shell:
         "shardgen generate --config {params.config:q} --manifest {input.manifest:q}"
-        " --model-record {params.model_record:q} --shard {params.shards:q} {params.outputs}"
-        " > {log:q} 2>&1"
+        " --model-record {params.model_record:q} {params.job} > {log:q} 2>&1"
 
 
 # shards.per_job > 1: several shards one after the other on one engine, which
@@ -48,3 +46,13 @@ use rule generate_shard as generate_shards with:
         record=f"{SHARD_DIR}/job-{{job}}.json",
     log:
         f"{LOG_DIR}/generate_shards/{{job}}.log",
+
+
+# shards.workers: W elastic workers, each with one engine, claiming shards
+# until none is left (claims on the shared file system, taken over from a
+# worker that stopped for longer than shards.lease_seconds).
+use rule generate_shard as generate_worker with:
+    output:
+        record=f"{SHARD_DIR}/workers/{{worker}}.json",
+    log:
+        f"{LOG_DIR}/generate_worker/{{worker}}.log",

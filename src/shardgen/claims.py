@@ -1,0 +1,295 @@
+"""Claims on shards, for elastic workers (``shards.workers``).
+
+W worker jobs take shards from the plan until none is left. A worker claims a
+shard by creating ``claims/<shard>.<generation>.claim`` with ``O_EXCL``: of
+any number of workers racing for the same name, exactly one creates it. The
+file says who holds it (worker index, host, Slurm job, pid, a token); its
+modification time is the heartbeat, renewed by a thread while the shard runs.
+
+A claim whose heartbeat is older than the lease (``shards.lease_seconds``)
+belongs to a worker that is gone. Its age is judged by the file system's
+clock, never a node's: each worker touches a clock file of its own and reads
+the time back. Another worker takes the shard over by creating the next
+generation, ``<shard>.<g+1>.claim``, again with ``O_EXCL``, and resumes it
+from its checkpoints. The holder of generation g has lost the shard as soon
+as generation g+1 exists (or its own file is gone): it checks before every
+write and abandons the shard without writing (``ClaimLost``). Generations make
+takeover free of races: two workers that both find g stale both try g+1, and
+one of them gets it.
+
+A worker that Snakemake retries (the same worker index) takes its own claims
+back first and carries on. A shard that failed with an error (not a kill or a
+signal) is marked ``<shard>.<g>.failed``: only the retry of the worker that
+held it tries it again, so one bad shard fails one worker, as it fails one job
+when each shard is a job, instead of every worker in turn. A committed shard's
+claims are removed, so the directory holds only the shards in progress.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from shardgen import jobinfo
+from shardgen.errors import ShardgenError
+from shardgen.io import Dir
+
+log = logging.getLogger(__name__)
+
+CLAIM_NAME = re.compile(r"([0-9]+)\.([0-9]+)\.claim")
+FAILED = ".failed"
+# Heartbeats per lease: a claim is taken over only after this many renewals were missed in a row.
+BEATS_PER_LEASE = 5
+# Longest sleep between looks at a silent claim, while waiting for its lease to run out.
+MAX_WAIT_S = 30.0
+
+
+class ClaimLost(ShardgenError):
+    """Another worker took this shard over (this worker's heartbeat stopped for longer than the lease)."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a claim: written into the claim file."""
+
+    worker: int
+    token: str
+    host: str
+    job_id: str | None
+    pid: int
+
+    @classmethod
+    def here(cls, worker: int) -> Holder:
+        return cls(worker, secrets.token_hex(8), jobinfo.host(), os.environ.get("SLURM_JOB_ID"), os.getpid())
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A shard's current claim, as the directory shows it."""
+
+    shard: str
+    generation: int
+    failed: bool
+    mtime: float  # the last heartbeat, by the file system's clock
+
+    @property
+    def name(self) -> str:
+        return claim_name(self.shard, self.generation)
+
+
+def claim_name(shard: str, generation: int) -> str:
+    return f"{shard}.{generation}.claim"
+
+
+class Claim:
+    """A shard this worker holds. Inside ``with claim:`` a thread renews the heartbeat."""
+
+    def __init__(self, board: ClaimBoard, shard: str, generation: int, took_over: dict | None) -> None:
+        self.board, self.shard, self.generation = board, shard, generation
+        self.name = claim_name(shard, generation)
+        self.took_over = took_over  # the holder it took the shard from, if any
+        self._lost = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def held(self) -> bool:
+        """Whether the claim is still this worker's: no later generation, and its file is the one it
+        made (its token; a released name may be claimed anew, and inode numbers are reused)."""
+        d = self.board.dir
+        if self._lost or d.exists(claim_name(self.shard, self.generation + 1)):
+            self._lost = True
+        else:
+            try:
+                self._lost = json.loads(d.read_text(self.name)).get("token") != self.board.holder.token
+            except (OSError, ValueError):
+                self._lost = True
+        return not self._lost
+
+    def check(self) -> None:
+        """Before every write of the shard's files.
+
+        Raises:
+            ClaimLost: another worker holds the shard now.
+        """
+        if not self.held():
+            raise ClaimLost(
+                f"shard {self.shard}: taken over by another worker (this worker's heartbeat was older than "
+                f"the lease of {self.board.lease_s:g} s); abandoned without writing"
+            )
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.board.heartbeat_s):
+            if not self.held():
+                log.warning("shard %s: claim lost to another worker", self.shard)
+                return
+            try:
+                self.board.dir.touch(self.name)
+            except OSError as e:  # a file system hiccup: the next beat tries again
+                log.warning("shard %s: heartbeat failed: %s", self.shard, e)
+
+    def __enter__(self) -> Claim:
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{self.shard}", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def mark_failed(self, error: BaseException) -> None:
+        """The shard failed here: only this worker's retry tries it again."""
+        if self.held():
+            text = json.dumps({"error": f"{type(error).__name__}: {error}"[:2000], "holder": asdict(self.board.holder)})
+            self.board.dir.create_exclusive(self.name + FAILED, text.encode())
+
+    def release(self) -> None:
+        """The shard is committed: remove its claims (this generation and the ones it replaced)."""
+        if not self.held():
+            return
+        d = self.board.dir
+        for g in range(self.generation, 0, -1):
+            d.unlink(claim_name(self.shard, g) + FAILED)
+            d.unlink(claim_name(self.shard, g))
+
+
+class ClaimBoard:
+    """The claims directory of a run, as one worker sees and uses it.
+
+    Args:
+        directory: ``<output.dir>/claims``.
+        holder: this worker.
+        lease_s: a claim whose heartbeat is older is taken over.
+        below: the output directory (no symlink between it and ``directory``).
+        sleep: how to wait for a silent claim's lease to run out (tests pass a fake).
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        holder: Holder,
+        lease_s: float,
+        below: str | Path | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.dir = Dir.open(directory, below=below)
+        self.holder = holder
+        self.lease_s = float(lease_s)
+        self.heartbeat_s = self.lease_s / BEATS_PER_LEASE
+        self._sleep = sleep
+        self._clock = f".clock-{holder.worker}-{holder.token}"
+        self.dir.create_exclusive(self._clock, b"")
+
+    def close(self) -> None:
+        self.dir.unlink(self._clock)
+        self.dir.close()
+
+    def now(self) -> float:
+        """The file system's time now (a touch of this worker's clock file, read back)."""
+        return self.dir.touch(self._clock)
+
+    def scan(self) -> dict[str, Seen]:
+        """Each claimed shard's current (highest) generation."""
+        names = set(self.dir.names())
+        top: dict[str, int] = {}
+        for name in names:
+            m = CLAIM_NAME.fullmatch(name)
+            if m and int(m.group(2)) > top.get(m.group(1), 0):
+                top[m.group(1)] = int(m.group(2))
+        seen = {}
+        for shard, g in top.items():
+            name = claim_name(shard, g)
+            try:
+                mtime = self.dir.mtime(name)
+            except FileNotFoundError:  # released since the listing
+                continue
+            seen[shard] = Seen(shard, g, name + FAILED in names, mtime)
+        return seen
+
+    def holder_of(self, seen: Seen) -> dict[str, Any] | None:
+        """The claim file's record of its holder (None when it is gone or unreadable)."""
+        try:
+            return json.loads(self.dir.read_text(seen.name))
+        except (OSError, ValueError):
+            return None
+
+    def claim(self, shard: str, generation: int = 1, took_over: dict | None = None) -> Claim | None:
+        """Create generation ``generation`` of the shard's claim; None when another worker did first."""
+        name = claim_name(shard, generation)
+        record = asdict(self.holder) | {"shard": shard, "generation": generation, "took_over": took_over}
+        if not self.dir.create_exclusive(name, json.dumps(record).encode()):
+            return None
+        return Claim(self, shard, generation, took_over)
+
+    def next(self, shard_ids: Iterable[str], is_done: Callable[[str], bool]) -> Claim | None:
+        """The next shard for this worker, claimed; None when nothing is left for it.
+
+        In this order: the claims this worker index held before (a retried
+        worker carries on with them, failed or not); shards nobody claimed, in
+        plan order; claims whose heartbeat is older than the lease (not marked
+        failed), oldest first. When only other workers' claims are left, it
+        watches them for one and a half heartbeats: a claim that was not
+        renewed meanwhile belongs to a worker that stopped, and this worker
+        waits out its lease and takes it over, rather than leave the shard to
+        a retry that may queue for hours; when every claim was renewed, it ends.
+        """
+        shard_ids = list(shard_ids)
+        watched: dict[str, float] = {}  # claim -> its heartbeat when first watched
+        while True:
+            seen = self.scan()
+            now = self.now()
+            others: list[tuple[Seen, dict[str, Any] | None]] = []
+            for s in sorted(seen.values(), key=lambda s: s.shard):
+                record = self.holder_of(s)
+                mine = record is not None and record.get("worker") == self.holder.worker
+                if mine and record.get("token") != self.holder.token:
+                    claim = self.claim(s.shard, s.generation + 1, took_over=record)
+                    if claim is not None:
+                        log.info("shard %s: taken back from this worker's earlier attempt", s.shard)
+                        return claim
+                elif not mine and not s.failed:
+                    others.append((s, record))
+            for shard in shard_ids:
+                if shard not in seen and not is_done(shard):
+                    claim = self.claim(shard)
+                    if claim is not None:
+                        return claim
+            waits, unknown = [], []
+            for s, record in sorted(others, key=lambda o: o[0].mtime):
+                age = now - s.mtime
+                if age > self.lease_s:
+                    claim = self.claim(s.shard, s.generation + 1, took_over=record)
+                    if claim is not None:
+                        log.warning("shard %s: heartbeat %.0f s old (lease %g s); taken over from %s",
+                                    s.shard, age, self.lease_s, _who(record))  # fmt: skip
+                        return claim
+                elif age > 2 * self.heartbeat_s or s.mtime <= watched.get(s.name, -1.0):
+                    waits.append(self.lease_s - age)
+                elif s.name not in watched:
+                    unknown.append(s)
+            if waits:
+                wait = min(max(min(waits), 0.0) + 1.0, MAX_WAIT_S)
+                log.info("%d claim(s) not renewed; looking again in %.0f s (lease %g s)", len(waits), wait,
+                         self.lease_s)  # fmt: skip
+                self._sleep(wait)
+            elif unknown:
+                watched.update((s.name, s.mtime) for s in unknown)
+                self._sleep(1.5 * self.heartbeat_s)
+            else:
+                return None
+
+
+def _who(record: dict[str, Any] | None) -> str:
+    if not record:
+        return "an unknown worker"
+    job = f", Slurm job {record['job_id']}" if record.get("job_id") else ""
+    return f"worker {record.get('worker')} on {record.get('host')}{job}"

@@ -1,0 +1,215 @@
+"""Claims on shards for elastic workers: exclusive, taken over only after the lease by the file
+system's clock, never twice, and a retried worker carries on with its own."""
+
+import json
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from shardgen.claims import ClaimBoard, ClaimLost, Holder, claim_name
+
+SHARDS = [f"{i:05d}" for i in range(200)]
+
+
+def board(tmp_path, worker, lease=60.0, sleep=time.sleep):
+    return ClaimBoard(tmp_path / "claims", Holder.here(worker), lease, below=tmp_path, sleep=sleep)
+
+
+def age(path: Path, seconds: float) -> None:
+    """Make a claim's heartbeat ``seconds`` old (by the file system's clock)."""
+    now = path.stat().st_mtime
+    os.utime(path, (now - seconds, now - seconds))
+
+
+def never_done(shard):
+    return False
+
+
+def test_one_claim_per_shard_and_generation(tmp_path):
+    a, b = board(tmp_path, 0), board(tmp_path, 1)
+    first = a.next(["00000", "00001"], never_done)
+    second = b.next(["00000", "00001"], never_done)
+    assert (first.shard, second.shard) == ("00000", "00001")
+    assert b.claim("00000") is None
+    assert json.loads((tmp_path / "claims" / "00000.1.claim").read_text())["worker"] == 0
+
+
+def _claimer(directory: str, worker: int, shards: list[str], out: str) -> None:
+    """A worker in its own process: claim, 'run' (record it), commit (a done marker), release."""
+    root = Path(directory)
+    b = ClaimBoard(root / "claims", Holder.here(worker), 2.0, below=root)
+    done_dir = root / "done"
+
+    def is_done(shard):
+        return (done_dir / shard).exists()
+
+    ran = []
+    while (claim := b.next(shards, is_done)) is not None:
+        with claim:
+            if is_done(claim.shard):
+                claim.release()
+                continue
+            try:
+                claim.check()  # what every write of a shard's files does first
+            except ClaimLost:
+                continue
+            ran.append(claim.shard)
+            (done_dir / claim.shard).touch()
+            claim.release()
+    Path(out).write_text(json.dumps(ran))
+
+
+def _race(tmp_path, workers, shards):
+    (tmp_path / "done").mkdir(exist_ok=True)
+    ctx = multiprocessing.get_context("fork")
+    procs = [
+        ctx.Process(target=_claimer, args=(str(tmp_path), w, shards, str(tmp_path / f"ran-{w}.json")))
+        for w in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    return [s for w in range(workers) for s in json.loads((tmp_path / f"ran-{w}.json").read_text())]
+
+
+def test_sixteen_workers_racing_for_200_shards_run_each_exactly_once(tmp_path):
+    ran = _race(tmp_path, 16, SHARDS)
+    assert sorted(ran) == SHARDS
+    # every committed shard's claims were removed: only shards in progress are listed
+    assert [n for n in os.listdir(tmp_path / "claims") if n.endswith(".claim")] == []
+
+
+def test_workers_racing_to_take_over_stale_claims_take_each_exactly_once(tmp_path):
+    """20 claims of a dead worker, all past the lease: 12 workers race for them (generation 2 of each),
+    and each shard is run by exactly one."""
+    shards = SHARDS[:20]
+    dead = board(tmp_path, 99)
+    for s in shards:
+        dead.claim(s)
+        age(tmp_path / "claims" / claim_name(s, 1), 10)
+    ran = _race(tmp_path, 12, shards)
+    assert sorted(ran) == shards
+    assert [n for n in os.listdir(tmp_path / "claims") if n.endswith(".claim")] == []
+
+
+def test_a_claim_is_taken_over_only_after_the_lease_by_the_file_systems_clock(tmp_path, monkeypatch):
+    def renewed(seconds):  # while B watches, A's heartbeat renews its claim
+        path = tmp_path / "claims" / "00000.1.claim"
+        os.utime(path, (path.stat().st_mtime + seconds, path.stat().st_mtime + seconds))
+
+    a, b = board(tmp_path, 0, lease=30), board(tmp_path, 1, lease=30, sleep=renewed)
+    claim = a.next(["00000"], never_done)
+    path = tmp_path / "claims" / claim.name
+    age(path, 5)  # a heartbeat late, and renewed: the holder is alive
+    assert b.next(["00000"], never_done) is None
+    # B's node clock an hour ahead changes nothing: ages come from file times only
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    assert b.next(["00000"], never_done) is None
+    age(path, 60)  # now well past the lease without a heartbeat
+    taken = b.next(["00000"], never_done)
+    assert (taken.shard, taken.generation, taken.took_over["worker"]) == ("00000", 2, 0)
+    with pytest.raises(ClaimLost, match="taken over by another worker"):
+        claim.check()
+    claim.release()  # the old holder removes nothing of the new holder's
+    assert (tmp_path / "claims" / taken.name).exists()
+
+
+def test_the_heartbeat_keeps_a_running_shard_from_being_taken_over(tmp_path):
+    a, b = board(tmp_path, 0, lease=1.0), board(tmp_path, 1, lease=1.0)
+    claim = a.next(["00000"], never_done)
+    with claim:
+        time.sleep(2.5)  # more than two leases, renewed every 0.2 s
+        assert b.next(["00000"], never_done) is None
+    claim.check()
+
+
+def test_a_holder_whose_claim_was_released_and_claimed_anew_knows_it_lost_it(tmp_path):
+    a, b = board(tmp_path, 0), board(tmp_path, 1)
+    claim = a.next(["00000"], never_done)
+    (tmp_path / "claims" / claim.name).unlink()
+    again = b.claim("00000")  # same name, another file
+    assert again is not None
+    with pytest.raises(ClaimLost):
+        claim.check()
+
+
+def test_a_retried_worker_takes_its_own_claims_back_first_even_fresh_or_failed(tmp_path):
+    first = board(tmp_path, 3)
+    c1 = first.next(SHARDS[:3], never_done)
+    c1.mark_failed(RuntimeError("boom"))
+    c2 = first.next(SHARDS[:3], never_done)
+    retry = board(tmp_path, 3)  # the same worker index, a new process (Snakemake's retry)
+    got = [retry.next(SHARDS[:3], never_done) for _ in range(2)]
+    assert sorted(c.shard for c in got) == sorted([c1.shard, c2.shard])
+    assert all(c.generation == 2 for c in got)
+    assert retry.next(SHARDS[:3], never_done).shard == "00002"
+
+
+def test_a_failed_claim_of_another_worker_is_left_to_that_workers_retry(tmp_path):
+    a, b = board(tmp_path, 0, lease=1), board(tmp_path, 1, lease=1)
+    claim = a.next(["00000"], never_done)
+    claim.mark_failed(ValueError("too many errors"))
+    age(tmp_path / "claims" / claim.name, 3600)
+    assert b.next(["00000"], never_done) is None
+    marker = json.loads((tmp_path / "claims" / (claim.name + ".failed")).read_text())
+    assert marker["error"] == "ValueError: too many errors"
+
+
+def test_a_worker_with_nothing_left_waits_out_a_silent_claims_lease_then_takes_it(tmp_path):
+    waited = []
+
+    def sleep(seconds):
+        waited.append(seconds)
+        age(tmp_path / "claims" / "00000.1.claim", seconds)  # time passes; no heartbeat comes
+
+    a = board(tmp_path, 0, lease=100)
+    a.next(["00000"], never_done)
+    age(tmp_path / "claims" / "00000.1.claim", 50)  # silent for 2.5 heartbeats, half the lease
+    b = board(tmp_path, 1, lease=100, sleep=sleep)
+    taken = b.next(["00000"], never_done)
+    assert taken.generation == 2
+    assert waited and sum(waited) >= 50
+
+
+def test_committed_shards_are_not_claimed_and_release_removes_every_generation(tmp_path):
+    a = board(tmp_path, 0, lease=1)
+    claim = a.next(["00000", "00001"], lambda s: s == "00000")
+    assert claim.shard == "00001"
+    age(tmp_path / "claims" / claim.name, 10)
+    newer = board(tmp_path, 1, lease=1).next(["00001"], never_done)
+    newer.release()
+    assert [n for n in os.listdir(tmp_path / "claims") if not n.startswith(".clock")] == []
+
+
+def test_a_worker_with_nothing_left_watches_fresh_claims_and_takes_over_one_that_is_not_renewed(tmp_path):
+    """A worker killed a moment ago: its claim is young, but it is not renewed while the idle worker
+    watches it for one and a half heartbeats; so the idle worker waits out the lease and takes it."""
+    slept = []
+
+    def sleep(seconds):  # time passes, and no heartbeat comes
+        slept.append(seconds)
+        age(tmp_path / "claims" / "00000.1.claim", seconds)
+
+    board(tmp_path, 0, lease=100).next(["00000"], never_done)
+    taken = board(tmp_path, 1, lease=100, sleep=sleep).next(["00000"], never_done)
+    assert taken.generation == 2
+    assert slept[0] == 30  # 1.5 heartbeats of 20 s
+
+
+def test_a_worker_with_nothing_left_ends_once_every_other_claim_was_renewed(tmp_path):
+    claim = board(tmp_path, 0, lease=100).next(["00000"], never_done)
+    slept = []
+
+    def sleep(seconds):  # the holder's heartbeat renews the claim meanwhile
+        slept.append(seconds)
+        path = tmp_path / "claims" / claim.name
+        os.utime(path, (path.stat().st_mtime + 1, path.stat().st_mtime + 1))
+
+    assert board(tmp_path, 1, lease=100, sleep=sleep).next(["00000"], never_done) is None
+    assert slept == [30]

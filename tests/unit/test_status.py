@@ -1,0 +1,71 @@
+"""`shardgen status`: rows, rate, ETA and shards by state from the run's small files only."""
+
+import datetime
+import json
+import time
+
+from shardgen.cli import main
+from shardgen.status import format_status, read_status
+
+
+def iso(t):
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec="seconds")
+
+
+def make_run(root, now):
+    """Five shards of 100 rows: done, running fast, running slow, failed, pending."""
+    (root / "plan").mkdir(parents=True)
+    shards = [{"id": f"{i:05d}", "start": 100 * i, "stop": 100 * (i + 1), "segments": []} for i in range(5)]
+    (root / "plan" / "manifest.json").write_text(json.dumps({"version": 1, "total_rows": 500, "shards": shards}))
+    (root / "shards").mkdir()
+    (root / "shards" / "00000.parquet").write_bytes(b"")
+    stats = {"rows": 100, "rows_resumed": 40, "rows_generated": 60, "generation_seconds": 60.0,
+             "error_reasons": {"prompt_too_long": 2}, "attempts": [{"ended": iso(now - 30)}]}  # fmt: skip
+    (root / "shards" / "00000.stats.json").write_text(json.dumps(stats))
+
+    def ckpt(shard, attempts, progress=None):
+        d = root / "checkpoints" / shard
+        d.mkdir(parents=True)
+        (d / "attempts.jsonl").write_text("".join(json.dumps(a) + "\n" for a in attempts))
+        if progress:
+            (d / "progress.json").write_text(json.dumps(progress))
+
+    start = {"event": "start", "attempt": 1, "host": "gpu01", "slurm": {"job_id": "501"}}
+    ckpt("00001", [start], {"attempt": 1, "time": now - 1, "started": now - 101, "done": 60, "resumed": 10,
+                            "error_reasons": {"rejected_by_engine": 1}})  # fmt: skip
+    ckpt("00002", [{**start, "slurm": {"job_id": "502"}}], {"attempt": 1, "time": now - 300, "started": now - 400,
+                                                            "done": 5, "resumed": 0})  # fmt: skip
+    ckpt("00003", [start, {"event": "end", "outcome": "too_many_errors", "error": "TooManyErrors: 60 of 100"}])
+
+
+def test_status_counts_rows_and_shards_by_state_and_finds_the_slowest(tmp_path):
+    now = time.time()
+    make_run(tmp_path, now)
+    st = read_status(tmp_path, window_s=600, squeue=False)
+    assert [s.state for s in st.shards] == ["done", "running", "running", "failed", "pending"]
+    assert (st.rows_done, st.rows_resumed, st.total_rows) == (100 + 60 + 5, 40 + 10, 500)
+    # rows generated in the last 10 min: 60 (done shard) + 50 (running) + 5 (slow one)
+    assert abs(st.rate() - 115 / 600) < 1e-6
+    text = format_status(st)
+    assert "rows: 165 of 500 done (33.0%), 50 of them from checkpoints" in text
+    assert "shards: 1 done, 2 running, 1 pending, 1 failed" in text
+    running = text.split("running (slowest first")[1].splitlines()
+    assert running[1].lstrip().startswith("00002") and "silent 5 min" in running[1]  # slowest first
+    assert "job 501 not in squeue on gpu01, attempt 1" in running[2]
+    assert "00003  attempt 1: too_many_errors: TooManyErrors: 60 of 100" in text
+    assert "row errors: 3 (prompt_too_long 2, rejected_by_engine 1)" in text
+    assert "ETA" in text
+
+
+def test_status_reads_no_row_file(tmp_path):
+    """It never opens a Parquet file: the committed shard's file here is not even valid Parquet."""
+    make_run(tmp_path, time.time())
+    assert read_status(tmp_path, squeue=False).shards[0].state == "done"
+
+
+def test_the_status_command_prints_the_report_or_says_there_is_no_plan(tmp_path, capsys):
+    make_run(tmp_path / "run", time.time())
+    assert main(["status", "--dir", str(tmp_path / "run")]) == 0
+    assert "shards: 1 done" in capsys.readouterr().out
+    assert main(["status", "--dir", str(tmp_path / "none")]) == 1
+    assert "has not planned" in capsys.readouterr().out
