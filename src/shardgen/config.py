@@ -207,19 +207,6 @@ def check_output_dir(path: str) -> None:
         )
 
 
-def _read_mapping(path: str | Path, what: str) -> dict[str, Any]:
-    """A YAML (or JSON) file that holds a mapping; errors say which file, and what it was for."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read {what} '{path}': {e}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{what} '{path}' is not valid YAML or JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{what} '{path}' must hold a mapping of keys to values")
-    return data
-
-
 def warnings(config: dict[str, Any]) -> list[str]:
     """Settings that are allowed but deserve a word before the run."""
     out = []
@@ -246,7 +233,7 @@ def load(path: str | Path) -> dict[str, Any]:
         ConfigError: naming the key, or the file when it was changed.
     """
     path = Path(path)
-    config = _read_mapping(path, "the config")
+    config = trust.read_mapping(path, "the config")
     if path.parent.name == RUN_CONFIG_DIR and _DIGEST_NAME.fullmatch(path.name) and digest(config) != path.stem:
         raise ConfigError(
             f"the run's config '{path}' was changed after the run wrote it (its content no longer matches its "

@@ -214,14 +214,7 @@ def read_json_schema(path: str) -> dict[str, Any]:
         raise ConfigError(
             f"{key}: '{path}' is not a JSON Schema file; give a .json, .yaml or .yml file (or the schema inline)"
         )
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read {key}: the schema file '{path}': {e}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{key}: the schema file '{path}' is not valid YAML or JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{key}: the schema file '{path}' must hold a mapping of keys to values")
+    data = read_mapping(path, f"{key}: the schema file")
     keywords = _json_schema_keywords()
     other = sorted(k for k in map(str, data) if k not in keywords)
     if other or not _SHAPE_KEYWORDS & set(data):
@@ -248,3 +241,16 @@ def published_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
     from shardgen.config import digest
 
     return {**sampling, "structured_outputs": {"json": {"digest": digest(structured["json"])}}}
+
+
+def read_mapping(path: str | Path, what: str) -> dict[str, Any]:
+    """A YAML (or JSON) file that holds a mapping; errors say which file, and what it was for."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} '{path}': {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} '{path}' is not valid YAML or JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} '{path}' must hold a mapping of keys to values")
+    return data
