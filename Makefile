@@ -9,7 +9,7 @@ DEMO_DATA := data/demo
 # machines the engine is about twice as fast with every core (measured on 2).
 RUN := PATH=$(BIN):$$PATH VLLM_CPU_NUM_OF_RESERVED_CPU=0
 
-.PHONY: setup controller demo test lint format slurm bench clean
+.PHONY: setup demo test lint format slurm bench clean
 
 TEST_MODELS := models/toy
 
@@ -28,11 +28,6 @@ models/%/config.json: scripts/make_test_models.py | $(MODEL)/config.json
 
 $(DEMO_DATA)/part-0.parquet: scripts/make_demo_data.py | $(VENV)/.installed
 	$(BIN)/python scripts/make_demo_data.py $(DEMO_DATA)
-
-# For thousands of shards: the controller in its own environment, with a
-# Slurm executor plugin that submits without pausing (scripts/setup-controller.sh).
-controller: setup
-	bash scripts/setup-controller.sh .venv-ctl
 
 demo: setup
 	$(RUN) snakemake --profile profiles/local

@@ -37,7 +37,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -506,7 +505,8 @@ def step_merge(work: Path, size: Size, paths: list[Path]) -> dict[str, Any]:
 # Slurm submissions per minute
 
 STANDIN_SNAKEFILE = """\
-# K one-second jobs: only the submission rate of the controller is measured.
+# K jobs submitted held (sbatch --hold): they never run; only the submission
+# rate of the controller and its CPU time and memory are measured.
 rule all:
     input:
         expand("done/{i}.txt", i=range(int(config["count"]))),
@@ -519,19 +519,9 @@ rule job:
         runtime=5,
         mem_mb=200,
         cpus_per_task=1,
+        slurm_extra="'--hold'",
     shell:
-        "sleep 1; sh probe.sh > {output}"
-"""
-
-# What a job sees: which shardgen (and so which Python and vLLM) its shell would run.
-PROBE = """\
-echo "shardgen=$(command -v shardgen || echo none)"
-s=$(command -v shardgen) && echo "shardgen_python=$(head -n 1 "$s" | cut -c 3-)"
-echo "python=$(command -v python || echo none)"
-# the Snakemake process that runs the job's shell: which Python it is
-pp=$(awk '/^PPid:/ {print $2}' /proc/$PPID/status 2>/dev/null) &&
-    echo "job_step=$(tr '\\0' ' ' < /proc/$pp/cmdline | cut -c 1-200)"
-echo "path=$PATH"
+        "touch {output}"
 """
 
 SUBMITTED = re.compile(r"Job (\d+) has been submitted with SLURM jobid (\d+)")
@@ -548,29 +538,33 @@ def slurm_ready() -> str | None:
     return None
 
 
-def plugin_versions(python: str) -> dict[str, str]:
-    code = (
-        "import importlib.metadata as m, json; "
-        "print(json.dumps({d: m.version(d) for d in ('snakemake', 'snakemake-executor-plugin-slurm')}))"
-    )
-    return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout)
+def controller_usage(pid: int) -> dict[str, float]:
+    """CPU seconds (its own and its waited-for children's: the sbatch calls) and peak RSS of a live process."""
+    import psutil
+
+    p = psutil.Process(pid)
+    t = p.cpu_times()
+    hwm = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmHWM"))
+    return {
+        "cpu_seconds": round(t.user + t.system, 1),
+        "sbatch_cpu_seconds": round(t.children_user + t.children_system, 1),
+        "peak_rss_mb": round(int(hwm.split()[1]) / 1024),
+    }
 
 
-def submission_rate(work: Path, label: str, controller_python: str, jobs: int, partition: str) -> dict[str, Any]:
-    """Submit ``jobs`` stand-in jobs from ``controller_python``'s Snakemake; time the submissions.
+def submission_rate(work: Path, jobs: int, partition: str) -> dict[str, Any]:
+    """Submit ``jobs`` held stand-in jobs from this environment's Snakemake; time the submissions.
 
-    The engine's ``bin`` (this environment's) is first on PATH, as the
-    controller of a two-environment setup would run; the jobs record which
-    ``shardgen`` their shell finds.
+    When the last is submitted (or the time is up), the controller's CPU time
+    and peak memory are read, it is killed and its jobs are cancelled.
     """
-    d = fresh_dir(work / "slurm" / label)
+    d = fresh_dir(work / "slurm" / f"jobs-{jobs}")
     (d / "Snakefile").write_text(STANDIN_SNAKEFILE)
-    (d / "probe.sh").write_text(PROBE)
-    versions = plugin_versions(controller_python)
+    from importlib import metadata
+
+    plugin = metadata.version("snakemake-executor-plugin-slurm")
     cmd = [
-        controller_python,
-        "-m",
-        "snakemake",
+        str(BIN / "snakemake"),
         "--snakefile",
         str(d / "Snakefile"),
         "--directory",
@@ -585,67 +579,50 @@ def submission_rate(work: Path, label: str, controller_python: str, jobs: int, p
         f"slurm_partition={partition}",
         "--slurm-status-command",
         "squeue",
-        "--slurm-init-seconds-before-status-checks",
-        "5",
         "--seconds-between-status-checks",
-        "10",
-        "--latency-wait",
-        "30",
+        "60",
     ]
-    say(f"slurm [{label}]: submitting {jobs} jobs with plugin {versions['snakemake-executor-plugin-slurm']}")
+    say(f"slurm: submitting {jobs:,} held jobs with plugin {plugin}")
     lines: list[tuple[float, str]] = []
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=d, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     )
+    stamps: list[float] = []
 
     def read() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            lines.append((time.monotonic() - t0, line.rstrip("\n")))
+            lines.append((now := time.monotonic() - t0, line.rstrip("\n")))
+            if SUBMITTED.search(line):
+                stamps.append(now)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    timed_out = False
-    try:
-        proc.wait(timeout=120 + 15 * jobs)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        proc.send_signal(signal.SIGINT)  # Snakemake cancels its jobs (scancel)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    deadline = t0 + 120 + jobs  # a second a job at the very least
+    while len(stamps) < jobs and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    usage = controller_usage(proc.pid) if proc.poll() is None else {}
+    proc.kill()
+    proc.wait()
     reader.join(timeout=10)
-    log = "\n".join(f"{t:9.3f} {line}" for t, line in lines)
-    (d / "controller.log").write_text(log + "\n")
     run_id = next((m.group(1) for _, line in lines if (m := RUN_ID.search(line))), None)
-    if timed_out and run_id:  # nothing of ours stays in the queue
+    if run_id:  # the jobs are named after the run
         subprocess.run(["scancel", f"--name={run_id}"], check=False)
-    stamps = [t for t, line in lines if SUBMITTED.search(line)]
-    rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) * 60 if len(stamps) > 1 and stamps[-1] > stamps[0] else None
-    probe = {}
-    done = sorted((d / "done").glob("*.txt"))
-    if done:
-        probe = dict(line.split("=", 1) for line in done[0].read_text().splitlines() if "=" in line)
+    (d / "controller.log").write_text("\n".join(f"{t:9.3f} {line}" for t, line in lines) + "\n")
+    span = stamps[-1] - stamps[0] if len(stamps) > 1 else 0
+    rate = (len(stamps) - 1) / span * 60 if span > 0 else None
     result = {
-        "controller_python": controller_python,
-        "versions": versions,
         "jobs": jobs,
+        "plugin": plugin,
         "submitted": len(stamps),
-        "completed": len(done),
-        "returncode": proc.returncode,
-        "timed_out": timed_out,
-        "first_submission_s": round(stamps[0], 2) if stamps else None,
-        "last_submission_s": round(stamps[-1], 2) if stamps else None,
-        "total_s": round(time.monotonic() - t0, 2),
-        "submission_offsets_s": [round(t, 2) for t in stamps],
-        "jobs_per_minute": round(rate, 1) if rate else None,
-        "hours_for_10000_jobs": round(10_000 / rate / 60, 2) if rate else None,
-        "job_probe": probe,
+        "first_submission_s": round(stamps[0], 1) if stamps else None,
+        "last_submission_s": round(stamps[-1], 1) if stamps else None,
+        "jobs_per_minute": round(rate) if rate else None,
+        "controller": usage,
         "log": str(d / "controller.log"),
     }
-    say(f"  {len(stamps)} submitted, {result['jobs_per_minute']} jobs/min, {len(done)} completed")
+    say(f"  {len(stamps):,} submitted, {result['jobs_per_minute']} jobs/min, controller {usage}")
     return result
 
 
@@ -653,11 +630,181 @@ def step_slurm(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     why = slurm_ready()
     if why:
         return {"skipped": f"Slurm is not available ({why})"}
-    runs = [submission_rate(work, "this-env", sys.executable, args.jobs, args.partition)]
-    if args.controller_python:
-        runs.append(submission_rate(work, "controller", args.controller_python, args.jobs, args.partition))
+    counts = [int(n) for n in str(args.jobs).split(",")]
     return {
-        "what": "jobs submitted per minute by the Snakemake Slurm executor plugin (stand-in 1 s jobs)",
+        "what": "held stand-in jobs submitted by Snakemake through the Slurm executor plugin, this environment",
+        "runs": [submission_rate(work, n, args.partition) for n in counts],
+    }
+
+
+# ---------------------------------------------------------------------------
+# Makespan and GPU-time efficiency: a simulation
+
+
+@dataclass(frozen=True)
+class Cluster:
+    shards: int = 1000
+    gpus: int = 32  # one engine per GPU (e.g. 4 nodes of 8)
+    shard_seconds: float = 600.0  # mean generation time of a shard
+    sigma: float = 1.0  # log-normal spread of shards' work (median ÷ mean = exp(-sigma²/2))
+    engine_start_s: float = 180.0  # weights, CUDA graphs, compile of an 8B model
+    queue_s: float = 15.0  # from a GPU freeing to the next job starting on it
+    per_job: int = 10
+    seed: int = 0
+
+
+def simulate(c: Cluster, mode: str, work: list[float]) -> dict[str, Any]:
+    """Makespan and efficiency of one scheduling mode on ``c.gpus`` GPUs, FIFO like Slurm.
+
+    ``per_shard``: a job (engine start + shard) per shard; ``per_job``: jobs of
+    ``c.per_job`` consecutive shards, one engine each; ``workers``: one job per
+    GPU that takes the next shard from the plan until none is left.
+    Efficiency: generation time ÷ billed job time (start to end of every job).
+    """
+    import heapq
+
+    if mode == "workers":
+        free = [c.engine_start_s] * c.gpus  # when each worker's engine takes its next shard
+        starts = c.gpus
+        for w in work:
+            t = heapq.heappop(free)
+            heapq.heappush(free, t + w)
+        ends = free
+        billed = sum(ends)
+    else:
+        k = 1 if mode == "per_shard" else c.per_job
+        jobs = [sum(work[i : i + k]) for i in range(0, len(work), k)]
+        starts = len(jobs)
+        slots = [0.0] * c.gpus
+        billed, ends = 0.0, []
+        for j, w in enumerate(jobs):
+            t = heapq.heappop(slots) + (c.queue_s if j >= c.gpus else 0.0)
+            end = t + c.engine_start_s + w
+            billed += end - t
+            ends.append(end)
+            heapq.heappush(slots, end)
+    makespan = max(ends)
+    return {
+        "mode": mode,
+        "engine_starts": starts,
+        "makespan_h": round(makespan / 3600, 2),
+        "billed_gpu_h": round(billed / 3600, 1),
+        "efficiency": round(sum(work) / billed, 3),
+        "gpu_busy_until_end": round(billed / (makespan * c.gpus), 3),
+    }
+
+
+def step_simulate(work_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    c = Cluster()
+    rng = np.random.default_rng(c.seed)
+    raw = rng.lognormal(0.0, c.sigma, c.shards)
+    work = list(raw / raw.mean() * c.shard_seconds)
+    say(f"simulate: {c.shards} shards on {c.gpus} GPUs")
+    runs = [simulate(c, mode, work) for mode in ("per_shard", "per_job", "workers")]
+    base = runs[0]
+    for r in runs:
+        r["makespan_vs_per_shard"] = round(r["makespan_h"] / base["makespan_h"], 2)
+    return {
+        "what": "simulated (no engine, no Slurm): shards of log-normal work scheduled FIFO on GPUs",
+        "cluster": asdict(c),
+        "work": {
+            "max_over_median": round(max(work) / float(np.median(work)), 1),
+            "total_gpu_h": round(sum(work) / 3600, 1),
+        },
+        "runs": runs,
+    }
+
+
+# ---------------------------------------------------------------------------
+# The three modes for real: the engine, the workflow and the local Slurm, small
+
+MODES = {"per_shard": {}, "per_job": {"per_job": 3}, "workers": {"workers": 2}}
+
+
+def slurm_jobs(workdir: Path) -> list[dict[str, str]]:
+    """Every job Slurm still lists (finished ones for MinJobAge) that ran in ``workdir``."""
+    out = subprocess.run(["scontrol", "show", "job", "-o"], capture_output=True, text=True).stdout
+    jobs = [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in out.splitlines()]
+    return [j for j in jobs if j.get("WorkDir") == str(workdir)]
+
+
+def step_modes(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Each mode once on 12 shards of uneven prompts: one job at a time (the node's 2 CPUs each)."""
+    if why := slurm_ready():
+        return {"skipped": f"Slurm is not available ({why})"}
+    from datetime import datetime
+
+    rng = np.random.default_rng(0)
+    words = np.clip(rng.lognormal(3.5, 1.0, 48).astype(int), 2, 600)
+    runs = []
+    for mode, shards in MODES.items():
+        d = fresh_dir(work / "modes" / mode)
+        rows = [
+            {"id": f"r{i:03d}", "doc": " ".join(TOPICS[(i + k) % 10] for k in range(w))} for i, w in enumerate(words)
+        ]
+        pq.write_table(pa.Table.from_pylist(rows), d / "in.parquet", row_group_size=4)
+        config = {
+            "input": {"parquet": [str(d / "in.parquet")], "id_column": "id"},
+            "shards": {"rows_per_shard": 4, **shards},
+            "prompt": {"template": "Name one thing this list repeats: {{ doc }}"},
+            "model": {
+                "model": str(ROOT / "models" / "SmolLM2-135M-Instruct"),
+                "dtype": "float32",
+                "max_model_len": 2048,
+                "kv_cache_memory_bytes": 256 * 1024 * 1024,
+                "enforce_eager": True,
+            },
+            "sampling": {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True},
+            "resources": {"mem_mb": 6000, "cpus_per_task": 2, "runtime": 30},
+        }
+        (d / "config.yaml").write_text(yaml.safe_dump(config))
+        cmd = [
+            str(BIN / "snakemake"),
+            "--snakefile",
+            str(ROOT / "Snakefile"),
+            "--directory",
+            str(d),
+            "--profile",
+            str(ROOT / "profiles" / "slurm"),
+            "--default-resources",
+            f"slurm_partition={args.partition}",
+            "--configfile",
+            str(d / "config.yaml"),
+        ]
+        say(f"modes: {mode}, {len(words) // 4} shards on the local Slurm")
+        t = time.monotonic()
+        with (d / "snakemake.log").open("w") as f:
+            rc = subprocess.call(cmd, cwd=d, env=child_env(), stdout=f, stderr=subprocess.STDOUT, timeout=1800)
+        wall = time.monotonic() - t
+        stats = [json.loads(p.read_text()) for p in sorted((d / "results" / "shards").glob("*.stats.json"))]
+        jobs = [
+            j for j in slurm_jobs(d) if "generate" in j.get("Comment", "") and j.get("EndTime", "Unknown") != "Unknown"
+        ]
+        span = [(datetime.fromisoformat(j["StartTime"]), datetime.fromisoformat(j["EndTime"])) for j in jobs]
+        billed = sum((b - a).total_seconds() for a, b in span)
+        generation = sum(s["generation_seconds"] for s in stats)
+        engine = sum(s["engine_start_seconds"] for s in stats)
+        runs.append(
+            {
+                "mode": mode,
+                "returncode": rc,
+                "shards": len(stats),
+                "rows": sum(s["rows"] for s in stats),
+                "generate_jobs": len(jobs),
+                "engine_starts": sum(1 for s in stats if s["engine_start_seconds"] > 1),  # a reused engine: ~0 s
+                "engine_start_seconds": round(engine, 1),
+                "generation_seconds": round(generation, 1),
+                "billed_job_seconds": round(billed, 1),
+                "efficiency": round(generation / billed, 3) if billed else None,
+                "generate_makespan_s": round((max(b for _, b in span) - min(a for a, _ in span)).total_seconds())
+                if span
+                else None,
+                "workflow_seconds": round(wall),
+            }
+        )
+        say(f"  {runs[-1]}")
+    return {
+        "what": "real runs (vLLM CPU build, SmolLM2-135M, local Slurm, one job at a time): 48 rows, 12 shards",
         "runs": runs,
     }
 
@@ -722,21 +869,56 @@ def markdown(result: dict[str, Any]) -> str:
             f"| ×{mg['ratio_peak_rss']:g} | flat would be ×1 |"
         )
     for r in result.get("slurm", {}).get("runs", []):
+        u = r["controller"]
         rows.append(
-            f"| Slurm submission | {r['jobs']} jobs, plugin {r['versions']['snakemake-executor-plugin-slurm']} "
-            f"| {r['total_s']:.0f} | | | {r['submitted']} submitted in "
-            f"{r['last_submission_s'] - r['first_submission_s']:.2f} s (first to last; seconds: the whole run): "
-            f"{r['jobs_per_minute']:,} jobs/min; 10,000 jobs at that rate: {r['hours_for_10000_jobs']} h |"
+            f"| Slurm submission | {r['jobs']:,} held jobs, plugin {r['plugin']} | {r['last_submission_s']:.0f} "
+            f"| {u.get('cpu_seconds', '')} | {u.get('peak_rss_mb', '')} | {r['submitted']:,} submitted, "
+            f"{r['jobs_per_minute']:,} jobs/min from first to last; sbatch calls {u.get('sbatch_cpu_seconds', '')} "
+            "CPU s more (seconds: from the start of the controller to the last submission) |"
         )
     if skipped := result.get("slurm", {}).get("skipped"):
         rows.append(f"| Slurm submission | | | | | skipped: {skipped} |")
+    text = "\n".join(rows) + "\n"
+    if sim := result.get("simulate"):
+        c = sim["cluster"]
+        text += (
+            f"\n**Simulated** (no engine, no Slurm; `simulate` step): {c['shards']:,} shards of log-normal work "
+            f"(sigma {c['sigma']}, mean {c['shard_seconds']:.0f} s, largest {sim['work']['max_over_median']}× the "
+            f"median; {sim['work']['total_gpu_h']} GPU-hours of generation) on {c['gpus']} GPUs, engine start "
+            f"{c['engine_start_s']:.0f} s, {c['queue_s']:.0f} s from a freed GPU to the next job; `per_job` "
+            f"{c['per_job']}, `workers` {c['gpus']}.\n\n"
+            "| mode | engine starts | makespan (h) | vs one job per shard | billed GPU-hours | efficiency "
+            "| GPUs busy to the end |\n|---|---|---|---|---|---|---|\n"
+        )
+        for r in sim["runs"]:
+            text += (
+                f"| {r['mode']} | {r['engine_starts']:,} | {r['makespan_h']} | ×{r['makespan_vs_per_shard']} "
+                f"| {r['billed_gpu_h']} | {r['efficiency']:.1%} | {r['gpu_busy_until_end']:.1%} |\n"
+            )
+        text += (
+            "\nEfficiency: generation time ÷ billed job time (a job is billed from its start, engine start "
+            "included, to its end). GPUs busy to the end: billed time ÷ (GPUs × makespan), what a fixed "
+            "reservation of the GPUs would get.\n"
+        )
+    if (modes := result.get("modes")) and "runs" in modes:
+        text += (
+            f"\n**Real** (`modes` step): {modes['what']}.\n\n"
+            "| mode | generate jobs | engine starts | engine start (s) | generation (s) | billed job time (s) "
+            "| efficiency | first job start to last job end (s) |\n|---|---|---|---|---|---|---|---|\n"
+        )
+        for r in modes["runs"]:
+            text += (
+                f"| {r['mode']} | {r['generate_jobs']} | {r['engine_starts']} | {r['engine_start_seconds']} "
+                f"| {r['generation_seconds']} | {r['billed_job_seconds']} | {r['efficiency']:.1%} "
+                f"| {r['generate_makespan_s']} |\n"
+            )
     load = result.get("load_average", {}).get("start", ["?"])[0]
     head = (
         f"Scale benchmark (`bench/scale.py --size {result['size']}`), {result['machine']}, {result['date']}; "
         f"load average {load} at the start (seconds are wall time, the best of {result['params']['repeats']} "
         "for plan and dry run; CPU seconds are the step's own).\n\n"
     )
-    return head + "\n".join(rows) + "\n"
+    return head + text
 
 
 def main() -> None:
@@ -744,16 +926,19 @@ def main() -> None:
     ap.add_argument("--size", choices=sorted(SIZES), default="full")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--work", type=Path, help="where data and runs go (default: /tmp/shardgen-scale-<size>)")
-    ap.add_argument("--steps", default="plan,dryrun,merge", help="comma-separated: plan, dryrun, merge, slurm")
+    ap.add_argument(
+        "--steps",
+        default="plan,dryrun,merge,simulate",
+        help="comma-separated: plan, dryrun, merge, simulate, slurm, modes",
+    )
     ap.add_argument("--slurm", action="store_true", help="also measure Slurm submissions (the local cluster)")
-    ap.add_argument("--jobs", type=int, default=30, help="stand-in jobs to submit (--slurm)")
+    ap.add_argument("--jobs", default="1000,10000", help="held stand-in jobs to submit, comma-separated (--slurm)")
     ap.add_argument("--partition", default="debug", help="Slurm partition (--slurm)")
-    ap.add_argument("--controller-python", help="Python of a second controller environment to measure (--slurm)")
     args = ap.parse_args()
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     if args.slurm and "slurm" not in steps:
         steps.append("slurm")
-    if unknown := set(steps) - {"plan", "dryrun", "merge", "slurm"}:
+    if unknown := set(steps) - {"plan", "dryrun", "merge", "simulate", "slurm", "modes"}:
         ap.error(f"unknown steps: {sorted(unknown)}")
     size = SIZES[args.size]
     work = (args.work or Path(f"/tmp/shardgen-scale-{args.size}")).resolve()
@@ -771,8 +956,8 @@ def main() -> None:
     load_start = [round(x, 2) for x in os.getloadavg()]
     paths = write_inputs(work / "data", size) if {"plan", "dryrun", "merge"} & set(steps) else []
     for step in steps:
-        if step == "slurm":
-            result[step] = step_slurm(work, args)
+        if step in ("slurm", "simulate", "modes"):
+            result[step] = {"slurm": step_slurm, "simulate": step_simulate, "modes": step_modes}[step](work, args)
         else:
             result[step] = {"plan": step_plan, "dryrun": step_dryrun, "merge": step_merge}[step](work, size, paths)
         result[step]["date"] = time.strftime("%Y-%m-%d %H:%M")

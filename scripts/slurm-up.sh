@@ -50,6 +50,8 @@ SelectTypeParameters=CR_Core_Memory
 GresTypes=gpu
 # Finished jobs stay visible to squeue, which the executor plugin polls.
 MinJobAge=900
+# 10,000 shards held in the queue at once (the benchmark submits that many); the default is 10,000 in all.
+MaxJobCount=20000
 KillWait=30
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
@@ -73,7 +75,8 @@ fi
 if [ $changed = 1 ]; then
   pkill -x slurmctld 2>/dev/null || true
   pkill -x slurmd 2>/dev/null || true
-  sleep 1
+  # slurmctld saves its state before it exits: wait, or it is not restarted below
+  for _ in $(seq 30); do pgrep -x 'slurmctld|slurmd' >/dev/null || break; sleep 1; done
 fi
 pgrep -x slurmctld >/dev/null || slurmctld
 pgrep -x slurmd >/dev/null || slurmd
