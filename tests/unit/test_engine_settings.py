@@ -129,7 +129,7 @@ def test_no_out_of_memory_retry_changes_what_decides_a_rows_text():
         assert set(memory.next_settings(kind, used)) <= RUNTIME_MODEL_KEYS, kind
 
 
-# -- The settings of a job on a GPU (recorded nvidia-smi output; vLLM's CPU build) ---------------------
+# -- The settings of a job on a GPU (nvidia-smi output as in test_gpus.py; vLLM's CPU build) ---------------------
 
 H100_550 = "0, GPU-5d5ba0d6-1a2b-3c4d-5e6f-000000000000, NVIDIA H100 80GB HBM3, 81559, 550.54.15, 9.0\n"
 H100_580 = "0, GPU-5d5ba0d6-1a2b-3c4d-5e6f-000000000000, NVIDIA H100 80GB HBM3, 81559, 580.65.06, 9.0\n"

@@ -1,4 +1,4 @@
-"""The GPUs a job got (from recorded nvidia-smi output), the checks on them, and the precision chosen per GPU."""
+"""The GPUs a job got (from nvidia-smi output), the checks on them, and the precision chosen per GPU."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ from shardgen.gpus import (
 )
 
 # `nvidia-smi --query-gpu=index,uuid,name,memory.total,driver_version,compute_cap --format=csv,noheader,nounits`
-# as these GPUs print it (names, memory and compute capability as NVIDIA reports them).
+# in the format these GPUs print it, with the names, memory and compute capability NVIDIA publishes
+# for them. Written by hand, not captured on the hardware: no GPU machine was lent to this project yet
+# (bench/gpu_smoke.sh records the real one on its first run).
 SMI = {
     "h100": (
         "0, GPU-5d5ba0d6-1a2b-3c4d-5e6f-000000000000, NVIDIA H100 80GB HBM3, 81559, 550.54.15, 9.0\n"
@@ -69,9 +71,7 @@ def precision(family: str | None, quant="auto", kv="auto", ckpt=None, build="cud
         ("v100", "Tesla V100-SXM2-32GB", 32768, (7, 0)),
     ],
 )
-def test_recorded_nvidia_smi_output_of_each_gpu_family_gives_name_memory_driver_and_capability(
-    family, name, memory, cc
-):
+def test_nvidia_smi_output_of_each_gpu_family_gives_name_memory_driver_and_capability(family, name, memory, cc):
     gpu = gpus(family)[0]
     assert gpu["name"] == name
     assert gpu["memory_mib"] == memory
