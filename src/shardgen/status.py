@@ -2,8 +2,9 @@
 
 Reads only small files: the plan, each committed shard's stats, each running
 shard's ``progress.json`` and ``attempts.jsonl``, the claims of elastic
-workers, and one ``squeue`` call for the jobs of the running shards. It never
-reads a row, so it is cheap at 10,000 shards.
+workers, and one ``squeue`` call: the state of the running shards' jobs and
+the run's pending jobs with Slurm's reason. It never reads a row, so it is
+cheap at 10,000 shards.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import os
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shardgen.claims import CLAIM_NAME, FAILED
+from shardgen.cluster import SQUEUE_FORMAT, Pending, parse_squeue
+from shardgen.runlock import LOCK_NAME, read_owner
 
 # Attempt outcomes that fail a shard (the others: committed, interrupted, killed without a word).
 FAILURES = ("failed", "too_many_errors", "out_of_memory", "wrong_gpus", "unsupported_vllm")
@@ -51,6 +55,7 @@ class RunStatus:
     now: float
     window_s: float
     jobs: dict[str, str]  # Slurm job id -> state (squeue), for the running shards' jobs
+    pending: list[Pending] = field(default_factory=list)  # the run's jobs waiting in the queue
 
     def count(self, state: str) -> int:
         return sum(s.state == state for s in self.shards)
@@ -120,8 +125,16 @@ def _attempts(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def read_status(out_dir: str | Path, window_s: float = 600.0, squeue: bool = True) -> RunStatus:
+def read_status(
+    out_dir: str | Path, window_s: float = 600.0, squeue: Callable[[], str] | bool = True, workdir: str | None = None
+) -> RunStatus:
     """The state of every planned shard of the run in ``out_dir``.
+
+    Args:
+        squeue: True asks Slurm (one ``squeue`` call for this user's jobs), False does not; a
+            function gives that output instead (in ``cluster.SQUEUE_FORMAT``).
+        workdir: where the run's Snakemake runs, which its jobs were submitted from (default: as
+            the run's lock records it, else the current directory).
 
     Raises:
         FileNotFoundError: the run has no plan yet.
@@ -148,9 +161,16 @@ def read_status(out_dir: str | Path, window_s: float = 600.0, squeue: bool = Tru
                 continue
         if s.id in ckpt_dirs:
             _from_checkpoint(s, out / "checkpoints" / s.id, s.id in failed_claims)
-    running = sorted({s.job_id for s in shards if s.state == "running" and s.job_id})
-    jobs = _squeue(running) if squeue and running else {}
-    return RunStatus(out, shards, now, window_s, jobs)
+    text = "" if squeue is False else (_squeue if squeue is True else squeue)()
+    jobs = {f[0]: f[1] for f in (line.split("|") for line in text.splitlines()) if len(f) == 7}
+    if workdir is None:
+        try:
+            workdir = read_owner(out / LOCK_NAME).get("workdir")
+        except (OSError, ValueError):
+            workdir = None
+    workdir = str(Path(workdir or Path.cwd()).absolute())
+    pending = [job for job in parse_squeue(text) if job.workdir == workdir]
+    return RunStatus(out, shards, now, window_s, jobs, pending)
 
 
 def _from_stats(s: ShardState, stats: dict[str, Any]) -> None:
@@ -186,14 +206,13 @@ def _from_checkpoint(s: ShardState, ckpt: Path, failed_claim: bool) -> None:
         s.state = "running"
 
 
-def _squeue(job_ids: list[str]) -> dict[str, str]:
+def _squeue() -> str:
+    """This user's jobs, one line each (empty where there is no Slurm)."""
     try:
-        res = subprocess.run(
-            ["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T"], capture_output=True, text=True, timeout=30
-        )
+        cmd = ["squeue", "--me", "-h", "-o", SQUEUE_FORMAT]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
-        return {}
-    return dict(line.split("|", 1) for line in res.stdout.splitlines() if "|" in line)
+        return ""
 
 
 def format_status(st: RunStatus, slowest: int = 5) -> str:
@@ -238,6 +257,12 @@ def format_status(st: RunStatus, slowest: int = 5) -> str:
     if failed:
         lines.append("failed (see <output.dir>/checkpoints/<shard>/attempts.jsonl):")
         lines += [f"  {s.id}  attempt {s.attempt}: {s.error}" for s in failed[:20]]
+    if st.pending:
+        lines.append(f"pending in Slurm: {len(st.pending)} job(s) of this run")
+        for job in st.pending[:slowest] if slowest else st.pending:
+            lines.append(f"  job {job.job_id} ({job.comment}), submitted {job.submitted}: {job.reason}")
+        if slowest and len(st.pending) > slowest:
+            lines.append(f"  ... and {len(st.pending) - slowest} more")
     errors = st.errors()
     if errors:
         lines.append(

@@ -5,13 +5,14 @@ resumes its rows; a rerun, as the README says, merges every row exactly once."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import psutil
 import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import make_rows, write_parquet
-from tests.integration.workflow import Background, part_rows, run_workflow, workflow_config
+from tests.integration.workflow import BIN, Background, part_rows, run_workflow, workflow_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.slurm]
 
@@ -90,3 +91,7 @@ def test_a_worker_killed_mid_shard_is_taken_over_after_the_lease_and_its_rows_re
     assert [n for n in (out / "claims").iterdir() if n.name.endswith(".claim")] == [], (
         "committed shards' claims removed"
     )
+    status = subprocess.run(
+        [str(BIN / "shardgen"), "status", "--dir", str(out)], capture_output=True, text=True, check=True
+    ).stdout
+    assert f"rows: {rows} of {rows} done (100.0%)" in status and "shards: 4 done, 0 running" in status, status

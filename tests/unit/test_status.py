@@ -57,6 +57,25 @@ def test_status_counts_rows_and_shards_by_state_and_finds_the_slowest(tmp_path):
     assert "ETA" in text
 
 
+def test_status_gives_running_shards_their_slurm_state_and_lists_only_this_runs_pending_jobs(tmp_path):
+    make_run(tmp_path, time.time())
+    here, other = str(tmp_path / "work"), str(tmp_path / "elsewhere")
+    queue = "\n".join(  # squeue --me -h -o cluster.SQUEUE_FORMAT
+        [
+            f"501|RUNNING|None|run|rule_generate_shard_wildcards_00001|2026-12-03T10:00:00|{here}",
+            f"503|PENDING|Priority|run|rule_generate_shard_wildcards_00004|2026-12-03T10:01:00|{here}",
+            f"504|PENDING|PartitionConfig|run|rule_generate_shard_wildcards_00000|2026-12-03T10:01:00|{other}",
+        ]
+    )
+    st = read_status(tmp_path, squeue=lambda: queue, workdir=here)
+    assert st.jobs["501"] == "RUNNING"
+    assert [job.job_id for job in st.pending] == ["503"], "another run's pending job is not this run's"
+    text = format_status(st)
+    assert "job 501 RUNNING on gpu01" in text
+    assert "pending in Slurm: 1 job(s) of this run" in text
+    assert "job 503 (rule_generate_shard_wildcards_00004), submitted 2026-12-03T10:01:00: Priority" in text
+
+
 def test_status_reads_no_row_file(tmp_path):
     """It never opens a Parquet file: the committed shard's file here is not even valid Parquet."""
     make_run(tmp_path, time.time())
