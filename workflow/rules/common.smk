@@ -54,6 +54,8 @@ GENERATE_RULE = (
     else "generate_shards" if PER_JOB > 1 else "generate_shard"
 )
 TIME_LIMIT = None
+# The rules that run before any shard is generated.
+BEFORE_GENERATE = {"fetch_model", "plan_shards", "preflight"}
 
 
 def start_run():
@@ -74,7 +76,11 @@ def start_run():
     request = cluster.generate_request(
         RUN, workflow.resource_settings, GENERATE_RULE, runtime
     )
-    cluster.check_request(nodes, request, default)
+    # Not for a run of the steps before generating (`snakemake preflight` on the
+    # login node), whose DAG holds nothing else; the generate jobs themselves
+    # join the DAG only after the plan checkpoint, so they cannot be looked for.
+    if any(job.rule.name not in BEFORE_GENERATE for job in workflow.dag.jobs):
+        cluster.check_request(nodes, request, default)
     TIME_LIMIT = cluster.partition_time_limit(nodes, request.partition, default)
     WATCHER = cluster.PendingWatcher(str(Path.cwd()), stop=stop_run).start()
 
