@@ -219,12 +219,15 @@ def main() -> None:
             ("order", documents_and_questions, args.order_kv_cache_mib),
         ):
             model = model_config(mib)
-            engine = Engine()
-            engine.start(EngineSettings(model=model))
+            # one engine for both sides: wrapped, so run_shard uses it as it is (an Engine() that
+            # started it would start another for settings that differ from the job's)
+            from vllm import LLM
+
+            llm = LLM(**EngineSettings(model=model).kwargs)
             try:
-                results[name] = measure(engine, model, work, args)
+                results[name] = measure(Engine(llm), model, work, args)
             finally:
-                engine.close()
+                llm.llm_engine.engine_core.shutdown()
     result = {
         "what": "output tokens/s (median of the repeats); shardgen includes reading, rendering, tokenizing, "
         "checkpointing and writing the shard",

@@ -92,11 +92,14 @@ def engine(model_dir: Path):
     """
     from shardgen.engine import Engine, EngineSettings, clear_thread_env
 
-    clear_thread_env()
-    handle = Engine()
-    handle.start(EngineSettings(model={**TEST_MODEL_CFG, "enable_chunked_prefill": False}))
-    yield handle
-    handle.close()
+    clear_thread_env()  # before vLLM is imported
+    from vllm import LLM
+
+    # Wrapped, not started by the handle: a handle that started its engine starts another when a
+    # shard's settings differ (engine.Engine.start), and the tests share this one as it is.
+    llm = LLM(**EngineSettings(model={**TEST_MODEL_CFG, "enable_chunked_prefill": False}).kwargs)
+    yield Engine(llm)
+    llm.llm_engine.engine_core.shutdown()
 
 
 @pytest.fixture(scope="session")
