@@ -199,3 +199,37 @@ def test_a_job_on_another_vllm_than_the_supported_one_stops_naming_both(monkeypa
     monkeypatch.setattr(installed, "vllm", lambda: ("cuda", "0.33.1"))
     with pytest.raises(UnsupportedVllm, match=r"vLLM 0.33.1 is installed, and shardgen supports vLLM 0.32.0"):
         job_settings(monkeypatch, tmp_path)
+
+
+def test_an_engine_the_handle_started_is_started_again_only_for_other_settings_and_a_wrapped_one_never(monkeypatch):
+    """A worker runs many shards on one handle: the same settings reuse the engine; a shard whose
+    earlier attempts ran out of memory (lower settings) gets a new one; an engine handed in is kept."""
+    import types
+
+    import vllm
+
+    from shardgen.engine import Engine, EngineSettings
+
+    started, stopped = [], []
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            started.append(kwargs)
+            core = types.SimpleNamespace(shutdown=lambda: stopped.append(kwargs))
+            self.llm_engine = types.SimpleNamespace(engine_core=core)
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    base = {"model": "/m", "max_num_seqs": 8}
+    handle = Engine()
+    first = handle.start(EngineSettings(model=base))
+    assert handle.start(EngineSettings(model=dict(base))) is first and handle.starts == 1
+    second = handle.start(EngineSettings(model={**base, "max_num_seqs": 4}))
+    assert second is not first and handle.starts == 2 and stopped == [started[0]]
+    handle.close()
+    assert stopped == started
+
+    wrapped = FakeLLM(**base)
+    shared = Engine(wrapped)
+    assert shared.start(EngineSettings(model={**base, "max_num_seqs": 4})) is wrapped and shared.starts == 0
+    shared.close()
+    assert len(stopped) == 2, "a wrapped engine is left running"
