@@ -226,8 +226,9 @@ SQUEUE_FORMAT = "%i|%T|%r|%j|%k|%V|%Z"
 
 
 @dataclass(frozen=True)
-class Pending:
+class QueuedJob:
     job_id: str
+    state: str
     reason: str
     name: str
     comment: str
@@ -235,14 +236,19 @@ class Pending:
     workdir: str
 
 
-def parse_squeue(text: str) -> list[Pending]:
-    out = []
-    for line in text.splitlines():
-        fields = line.strip().split("|")
-        if len(fields) == 7 and fields[1] == "PENDING":
-            job_id, _, reason, name, comment, submitted, workdir = fields
-            out.append(Pending(job_id, reason, name, comment, submitted, workdir))
-    return out
+def parse_squeue(text: str) -> list[QueuedJob]:
+    """``squeue -o SQUEUE_FORMAT`` output, a job a line."""
+    return [QueuedJob(*fields) for line in text.splitlines() if len(fields := line.strip().split("|")) == 7]
+
+
+def squeue(*states: str, run: Callable[[list[str]], str] | None = None) -> list[QueuedJob]:
+    """This user's jobs (of these states, or all); none when squeue cannot be asked."""
+    argv = ["squeue", "--me", "-h", "-o", SQUEUE_FORMAT, *(["-t", ",".join(states)] if states else [])]
+    try:
+        return parse_squeue((run or _run)(argv))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.debug("squeue failed: %s", e)
+        return []
 
 
 @dataclass
@@ -268,15 +274,11 @@ class PendingWatcher:
 
     def poll(self) -> list[str]:
         """One look at the queue; returns what it reported."""
-        try:
-            text = (self.run or _run)(["squeue", "--me", "-h", "-t", "PENDING", "-o", SQUEUE_FORMAT])
-        except (OSError, subprocess.SubprocessError) as e:
-            log.debug("squeue failed: %s", e)
-            return []
+        jobs = squeue("PENDING", run=self.run)
         now = self.clock()
         notes = []
-        for job in parse_squeue(text):
-            if job.workdir != self.workdir or not any(r in job.comment for r in self.rules):
+        for job in jobs:
+            if job.state != "PENDING" or job.workdir != self.workdir or not any(r in job.comment for r in self.rules):
                 continue
             first = self._first_seen.setdefault(job.job_id, now)
             reason = job.reason.split(",")[0].strip("()")

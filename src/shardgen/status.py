@@ -13,15 +13,14 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardgen import cluster
 from shardgen.claims import CLAIM_NAME, FAILED
-from shardgen.cluster import SQUEUE_FORMAT, Pending, parse_squeue
 from shardgen.runlock import LOCK_NAME, read_owner
 
 # Attempt outcomes that fail a shard (the others: committed, interrupted, killed without a word).
@@ -55,7 +54,7 @@ class RunStatus:
     now: float
     window_s: float
     jobs: dict[str, str]  # Slurm job id -> state (squeue), for the running shards' jobs
-    pending: list[Pending] = field(default_factory=list)  # the run's jobs waiting in the queue
+    pending: list[cluster.QueuedJob] = field(default_factory=list)  # the run's jobs waiting in the queue
 
     def count(self, state: str) -> int:
         return sum(s.state == state for s in self.shards)
@@ -161,15 +160,15 @@ def read_status(
                 continue
         if s.id in ckpt_dirs:
             _from_checkpoint(s, out / "checkpoints" / s.id, s.id in failed_claims)
-    text = "" if squeue is False else (_squeue if squeue is True else squeue)()
-    jobs = {f[0]: f[1] for f in (line.split("|") for line in text.splitlines()) if len(f) == 7}
+    queued = [] if squeue is False else cluster.squeue() if squeue is True else cluster.parse_squeue(squeue())
+    jobs = {job.job_id: job.state for job in queued}
     if workdir is None:
         try:
             workdir = read_owner(out / LOCK_NAME).get("workdir")
         except (OSError, ValueError):
             workdir = None
     workdir = str(Path(workdir or Path.cwd()).absolute())
-    pending = [job for job in parse_squeue(text) if job.workdir == workdir]
+    pending = [job for job in queued if job.state == "PENDING" and job.workdir == workdir]
     return RunStatus(out, shards, now, window_s, jobs, pending)
 
 
@@ -204,15 +203,6 @@ def _from_checkpoint(s: ShardState, ckpt: Path, failed_claim: bool) -> None:
         s.state, s.error = "failed", f"{outcome}: {last.get('error') or last.get('kind') or ''}".strip(": ")
     elif outcome is None and attempts:
         s.state = "running"
-
-
-def _squeue() -> str:
-    """This user's jobs, one line each (empty where there is no Slurm)."""
-    try:
-        cmd = ["squeue", "--me", "-h", "-o", SQUEUE_FORMAT]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
 
 
 def format_status(st: RunStatus, slowest: int = 5) -> str:
