@@ -58,6 +58,7 @@ from shardgen import config as cfg  # noqa: E402
 from shardgen.engine import engine_kwargs  # noqa: E402
 from shardgen.generate import shard_fingerprint  # noqa: E402
 from shardgen.io import atomic_write_text  # noqa: E402
+from shardgen.jobinfo import scontrol_jobs  # noqa: E402
 from shardgen.outputs import write_table  # noqa: E402
 from shardgen.plan import Manifest, write_manifest  # noqa: E402
 from shardgen.results import ResultSpec  # noqa: E402
@@ -723,9 +724,7 @@ MODES = {"per_shard": {}, "per_job": {"per_job": 3}, "workers": {"workers": 2}}
 
 def slurm_jobs(workdir: Path) -> list[dict[str, str]]:
     """Every job Slurm still lists (finished ones for MinJobAge) that ran in ``workdir``."""
-    out = subprocess.run(["scontrol", "show", "job", "-o"], capture_output=True, text=True).stdout
-    jobs = [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in out.splitlines()]
-    return [j for j in jobs if j.get("WorkDir") == str(workdir)]
+    return [j for j in scontrol_jobs() if j.get("WorkDir") == str(workdir)]
 
 
 def step_modes(work: Path, args: argparse.Namespace) -> dict[str, Any]:

@@ -40,13 +40,8 @@ def slurm_info() -> dict[str, Any]:
 def slurm_times(job_id: str) -> dict[str, Any]:
     """When Slurm queued and started this job, the wait between, and its time limit (from ``scontrol``;
     empty if unavailable)."""
-    try:
-        out = subprocess.run(
-            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    jobs = scontrol_jobs(job_id)
+    fields = jobs[0] if jobs else {}
     try:
         submit = datetime.datetime.fromisoformat(fields["SubmitTime"])
         start = datetime.datetime.fromisoformat(fields["StartTime"])
@@ -58,6 +53,22 @@ def slurm_times(job_id: str) -> dict[str, Any]:
         "queue_wait_seconds": (start - submit).total_seconds(),
         "time_limit": fields.get("TimeLimit"),
     }
+
+
+def scontrol_jobs(job_id: str | None = None) -> list[dict[str, str]]:
+    """``scontrol show job -o``: the fields of this job (or of every job Slurm still lists), a dict
+    each; none when scontrol cannot be asked."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", *([job_id] if job_id else [])],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in out.splitlines() if line.strip()]
 
 
 def peak_rss_mib() -> float:
