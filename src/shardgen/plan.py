@@ -51,14 +51,13 @@ def shard_id_width(num_shards: int) -> int:
 
 def make_shards(source: Source, rows_per_shard: int) -> list[Shard]:
     """Consecutive shards of ``rows_per_shard`` rows; the last takes the remainder."""
-    total = source.num_rows
-    count = -(-total // rows_per_shard)
-    width = shard_id_width(count)
-    shards = []
-    for i in range(count):
-        start, stop = i * rows_per_shard, min((i + 1) * rows_per_shard, total)
-        shards.append(Shard(f"{i:0{width}d}", start, stop, source.segments(start, stop)))
-    return shards
+    return shards_between(source, [*range(0, source.num_rows, rows_per_shard), source.num_rows])
+
+
+def shards_between(source: Source, cuts: list[int]) -> list[Shard]:
+    """The shards from each cut (a row index) to the next, numbered in order."""
+    width = shard_id_width(len(cuts) - 1)
+    return [Shard(f"{i:0{width}d}", a, b, source.segments(a, b)) for i, (a, b) in enumerate(itertools.pairwise(cuts))]
 
 
 # shards.balance: tokens. Prompt bytes per token of a BPE tokenizer on English text (an estimate:
@@ -109,10 +108,7 @@ def make_balanced_shards(
         cuts.append(min(max(stop, start + 1), start + MAX_ROWS_FACTOR * rows_per_shard, total))
         while k < count and work_to(cuts[-1]) >= k * target * (1 - 1e-12):
             k += 1
-    width = shard_id_width(len(cuts) - 1)
-    pairs = list(itertools.pairwise(cuts))
-    shards = [Shard(f"{i:0{width}d}", a, b, source.segments(a, b)) for i, (a, b) in enumerate(pairs)]
-    return shards, [work_to(b) - work_to(a) for a, b in pairs]
+    return shards_between(source, cuts), [work_to(b) - work_to(a) for a, b in itertools.pairwise(cuts)]
 
 
 def build_manifest(config: RunConfig) -> dict[str, Any]:
