@@ -58,16 +58,35 @@ def test_a_worker_killed_mid_shard_is_taken_over_after_the_lease_and_its_rows_re
     out = tmp_path / "results"
     run = Background(tmp_path, config, "slurm", "--retries", "0")
 
-    def victim_shard():
-        held = claims_of(out, 0)
-        return held and part_rows(out / "checkpoints" / held[0]) > 0
+    def saving(worker: int) -> bool:
+        held = claims_of(out, worker)
+        return bool(held) and part_rows(out / "checkpoints" / held[0]) > 0
 
-    run.wait_until(victim_shard, 600, "saved rows of a shard of worker 0")
-    (shard,) = claims_of(out, 0)
-    job = worker_process(0)
-    for p in [*job.children(recursive=True), job]:  # no warning, no save, no end record
-        p.kill()
-    saved = part_rows(out / "checkpoints" / shard)
+    # Worker 1 must outlive worker 0 to take its claim over: a worker whose remaining shards are all
+    # held by live workers ends, by design. Whichever engine starts first, worker 1 is paused (its
+    # whole process tree, as in a long GC or I/O stall) once it saves rows, until worker 0 saves.
+    frozen: list[psutil.Process] = []
+
+    def victim_shard() -> bool:
+        if saving(0):
+            return True
+        if not frozen and saving(1):
+            job = worker_process(1)
+            frozen.extend([job, *job.children(recursive=True)])
+            for p in frozen:
+                p.suspend()
+        return False
+
+    try:
+        run.wait_until(victim_shard, 600, "saved rows of a shard of worker 0")
+        (shard,) = claims_of(out, 0)
+        job = worker_process(0)
+        for p in [*job.children(recursive=True), job]:  # no warning, no save, no end record
+            p.kill()
+        saved = part_rows(out / "checkpoints" / shard)
+    finally:
+        for p in frozen:
+            p.resume()
     with pytest.raises(AssertionError, match="snakemake failed"):
         run.wait()  # worker 0's job failed and no retries are left: the run stops after worker 1 ends
     record = json.loads((out / "shards" / "workers" / "1.json").read_text())
