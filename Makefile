@@ -11,9 +11,10 @@ RUN := PATH=$(BIN):$$PATH VLLM_CPU_NUM_OF_RESERVED_CPU=0
 
 .PHONY: setup demo test lint format slurm bench clean
 
-TEST_MODELS := models/toy
+TEST_MODELS := models/toy/config.json models/classifier/config.json models/reward/config.json \
+	models/vlm/config.json models/lora/adapter_config.json
 
-setup: $(VENV)/.installed $(MODEL)/config.json $(TEST_MODELS)/config.json $(DEMO_DATA)/part-0.parquet
+setup: $(VENV)/.installed $(MODEL)/config.json $(TEST_MODELS) $(DEMO_DATA)/part-0.parquet
 
 $(VENV)/.installed: pyproject.toml requirements/cpu-constraints.txt scripts/setup-venv.sh
 	bash scripts/setup-venv.sh $(VENV)
@@ -22,8 +23,9 @@ $(VENV)/.installed: pyproject.toml requirements/cpu-constraints.txt scripts/setu
 $(MODEL)/config.json: | $(VENV)/.installed
 	$(BIN)/python scripts/make_demo_model.py $(MODEL)
 
-# Small models made from the demo model (no download): the toy model of the feed benchmark.
-models/%/config.json: scripts/make_test_models.py | $(MODEL)/config.json
+# Small models made from the demo model (no download): the toy model of the feed benchmark, a
+# classifier, a reward model, a vision-language model and a LoRA adapter (scripts/make_test_models.py).
+models/%/config.json models/%/adapter_config.json: scripts/make_test_models.py | $(MODEL)/config.json
 	$(BIN)/python scripts/make_test_models.py $(MODEL) models $*
 
 $(DEMO_DATA)/part-0.parquet: scripts/make_demo_data.py | $(VENV)/.installed

@@ -72,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("--shard-dir", required=True)
     merge.add_argument("--output", required=True)
     merge.add_argument("--stats", required=True)
+    merge.add_argument("--model-record", help="the fetch step's record (a pooling task's columns need the model)")
 
     plots = sub.add_parser("plots", help="plots and a table of totals of a finished run, for the report")
     plots.add_argument("--stats", required=True, help="the merged stats JSON")
@@ -155,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "merge":
             from shardgen.merge import main_merge
 
-            return main_merge(_load(args.config), args.manifest, Path(args.shard_dir), args.output, args.stats)
+            return main_merge(
+                _load(args.config), args.manifest, Path(args.shard_dir), args.output, args.stats, args.model_record
+            )
         if args.command == "plots":
             from shardgen.report import main_plots
 

@@ -47,8 +47,15 @@ RUNTIME_MODEL_KEYS = frozenset(
         "tensor_parallel_size",
         "pipeline_parallel_size",
         "download_dir",
+        "max_loras",
     }
 )
+# Keys added after runs were made with this version's fingerprints: left out of them while at their
+# defaults, so that those runs' shards stay valid (the text they decide is the same).
+LATER_DEFAULTS = {
+    "prompt": {"pair_template": None, "images": []},
+    "model": {"runner": None, "convert": None, "pooler_config": None, "enable_lora": None, "max_lora_rank": None},
+}
 # Output keys that change what a shard file holds (its columns), not just the merged file's format.
 CONTENT_OUTPUT_KEYS = ("samples", "choice_probs")
 
@@ -132,9 +139,11 @@ def check_consistency(config: dict[str, Any]) -> None:
     """
     model, sampling, prompt = config["model"], config.get("sampling", {}), config["prompt"]
     output = config["output"]
+    check_task(config)
+    check_lora(config)
     max_len = model.get("max_model_len")
     max_tokens = sampling.get("max_tokens")
-    if max_len is not None and max_tokens is not None and max_tokens >= max_len:
+    if config["task"] == "generate" and max_len is not None and max_tokens is not None and max_tokens >= max_len:
         raise ConfigError(
             f"sampling.max_tokens ({max_tokens}) must be smaller than model.max_model_len ({max_len}): "
             "prompt and output share the context"
@@ -191,8 +200,62 @@ def check_consistency(config: dict[str, Any]) -> None:
     # compiles the template: a syntax error, or one that cannot compile, is a config error
     PromptRenderer(
         prompt.get("template"), prompt.get("system"), prompt.get("chat", True), prompt.get("few_shot"),
-        prompt.get("messages_column"),
+        prompt.get("messages_column"), prompt.get("pair_template"), prompt.get("images"),
     )  # fmt: skip
+
+
+def check_lora(config: dict[str, Any]) -> None:
+    """The adapter(s) named are declared, and the engine serves adapters when some are.
+
+    Raises:
+        ConfigError: naming the keys.
+    """
+    lora, model = config["lora"], config["model"]
+    adapters = lora.get("adapters") or {}
+    if lora.get("adapter") and lora.get("column"):
+        raise ConfigError("lora.adapter and lora.column both set: one adapter for every row, or one per row; not both")
+    if lora.get("adapter") is not None and lora["adapter"] not in adapters:
+        raise ConfigError(f"lora.adapter: '{lora['adapter']}' is not declared in lora.adapters ({sorted(adapters)})")
+    if lora.get("column") and not adapters:
+        raise ConfigError("lora.column is set but lora.adapters declares no adapter to name")
+    if adapters and not (lora.get("adapter") or lora.get("column")):
+        raise ConfigError("lora.adapters are declared but no row uses one: set lora.adapter or lora.column")
+    if adapters:
+        if model.get("enable_lora") is False:
+            raise ConfigError("lora.adapters are declared but model.enable_lora is false")
+        model["enable_lora"] = True
+
+
+def check_task(config: dict[str, Any]) -> None:
+    """The task and the keys that belong to another task; a pooling task gets vLLM's pooling runner.
+
+    Raises:
+        ConfigError: naming the keys.
+    """
+    task, model, prompt = config["task"], config["model"], config["prompt"]
+    if prompt.get("images") and task != "generate":
+        raise ConfigError(f"prompt.images are for task: generate (a vision-language model), not task: {task}")
+    if task == "generate":
+        if model.get("runner") == "pooling":
+            raise ConfigError("model.runner is pooling, but task is generate: set task (classify, embed, ...)")
+        for key in ("pooling", "prompt.pair_template"):
+            section, _, name = key.partition(".")
+            given = config.get(section) if not name else config[section].get(name)
+            if given and any(v is not None for v in (given.values() if isinstance(given, dict) else [given])):
+                raise ConfigError(f"{key} is set, but task is generate: it is for the pooling tasks (task: ...)")
+        return
+    if model.get("runner") == "generate":
+        raise ConfigError(f"task: {task} pools the prompt: model.runner must be pooling (or unset), not generate")
+    model["runner"] = model.get("runner") or "pooling"
+    if (task == "score") != (prompt.get("pair_template") is not None):
+        raise ConfigError(
+            "task: score needs prompt.pair_template (the second text of each pair)"
+            if task == "score"
+            else f"prompt.pair_template is for task: score, not task: {task}"
+        )
+    sampling = config.get("sampling") or {}
+    if sampling.get("structured_outputs") or sampling.get("n", 1) > 1 or config["output"].get("choice_probs"):
+        raise ConfigError(f"task: {task} generates no text: drop sampling and output.choice_probs")
 
 
 def check_output_dir(path: str) -> None:
@@ -288,17 +351,29 @@ def engine_version() -> str:
 
 
 def content_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The part of the config that decides the generated text."""
+    """The part of the config that decides the generated text (or pooled values)."""
+
+    def without_later_defaults(section: str, values: dict[str, Any]) -> dict[str, Any]:
+        later = LATER_DEFAULTS[section]
+        return {k: v for k, v in values.items() if k not in later or v != later[k]}
+
     model = {k: v for k, v in config["model"].items() if k not in RUNTIME_MODEL_KEYS}
-    return {
+    task = config.get("task", "generate")
+    out = {
         "input": {k: v for k, v in config["input"].items() if k != "allow_empty"},
         # the submission order decides speed, not text
-        "prompt": {k: v for k, v in config["prompt"].items() if k != "order"},
-        "model": model,
-        "sampling": config.get("sampling", {}),
-        "output": {k: config["output"].get(k) for k in CONTENT_OUTPUT_KEYS},
+        "prompt": without_later_defaults("prompt", {k: v for k, v in config["prompt"].items() if k != "order"}),
+        "model": without_later_defaults("model", model),
         "engine_version": engine_version(),
     }
+    if task == "generate":  # the fingerprints of generation runs made before `task` existed stay as they were
+        out["sampling"] = config.get("sampling", {})
+        out["output"] = {k: config["output"].get(k) for k in CONTENT_OUTPUT_KEYS}
+    else:
+        out.update(task=task, pooling=config.get("pooling", {}))
+    if (config.get("lora") or {}).get("adapters"):  # runs without adapters keep their fingerprints
+        out["lora"] = config["lora"]
+    return out
 
 
 def digest(obj: Any) -> str:
@@ -338,6 +413,8 @@ class ShardsConfig:
 @dataclass(frozen=True)
 class PromptConfig:
     template: str | None = None
+    pair_template: str | None = None
+    images: tuple[str, ...] = ()
     messages_column: str | None = None
     few_shot: tuple[Mapping[str, str], ...] = ()
     order: str = "prefix"
@@ -376,6 +453,20 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class ErrorsConfig:
     max_rate: float = 0.1
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    adapters: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    adapter: str | None = None
+    column: str | None = None
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    use_activation: bool | None = None
+    dimensions: int | None = None
+    top_k: int | None = None
 
 
 @dataclass(frozen=True)
@@ -471,6 +562,7 @@ class RunConfig:
     """A validated config, typed. ``raw`` is the validated dict it was made from (fingerprints and
     digests are of it)."""
 
+    task: str
     input: InputConfig
     shards: ShardsConfig
     prompt: PromptConfig
@@ -482,6 +574,8 @@ class RunConfig:
     checkpoint: CheckpointConfig
     errors: ErrorsConfig
     preflight: PreflightConfig
+    pooling: PoolingConfig
+    lora: LoraConfig
     raw: Mapping[str, Any] = dataclasses.field(repr=False, compare=False)
 
     @classmethod
@@ -489,6 +583,7 @@ class RunConfig:
         """The typed view of a config (validated here if it was not: defaults are filled in a copy)."""
         raw = validate(copy.deepcopy(dict(config)))
         return cls(
+            task=raw["task"],
             input=_section(InputConfig, raw["input"]),
             shards=_section(ShardsConfig, raw["shards"]),
             prompt=_section(PromptConfig, raw["prompt"]),
@@ -500,6 +595,8 @@ class RunConfig:
             checkpoint=_section(CheckpointConfig, raw["checkpoint"]),
             errors=_section(ErrorsConfig, raw["errors"]),
             preflight=_section(PreflightConfig, raw["preflight"]),
+            pooling=_section(PoolingConfig, raw["pooling"]),
+            lora=_section(LoraConfig, raw["lora"]),
             raw=raw,
         )
 
@@ -535,4 +632,6 @@ SECTIONS = {
     "checkpoint": CheckpointConfig,
     "errors": ErrorsConfig,
     "preflight": PreflightConfig,
+    "pooling": PoolingConfig,
+    "lora": LoraConfig,
 }

@@ -25,6 +25,7 @@ from shardgen.installed import vllm_build
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
+    from shardgen.prompts import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +189,8 @@ class EngineSettings:
                 problems += gpus.check_batch_invariance(devices)
         if problems:
             raise WrongGpus("this job cannot run on the GPUs it got:\n  - " + "\n  - ".join(problems))
+        if config.prompt.images:  # vLLM's per-prompt limit (default 1 image), from the columns
+            settings["limit_mm_per_prompt"] = {"image": len(config.prompt.images)}
         notes = gpus.gpu_warnings(devices, settings["kv_cache_dtype"], build)
         overrides = memory.overrides(failures)
         settings.update(overrides)
@@ -268,8 +271,8 @@ class Engine:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
 
-    def tokenizer(self) -> Tokenizer:
-        return Tokenizer(self.llm.get_tokenizer(), self.llm.llm_engine.model_config.max_model_len)
+    def tokenizer(self, generates: bool = True) -> Tokenizer:
+        return Tokenizer(self.llm.get_tokenizer(), self.llm.llm_engine.model_config.max_model_len, generates)
 
     @property
     def max_num_seqs(self) -> int:
@@ -349,9 +352,11 @@ def row_seed(seed: int, row_key: Any) -> int:
 class Tokenizer:
     """Prompts to token ids, the way vLLM's ``chat``/``generate`` would make them, a batch at a time."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, generates: bool = True) -> None:
         self.hf = tokenizer
         self.max_model_len = max_model_len
+        # a prompt to generate from must leave room for a token; one to pool may fill the context
+        self.max_prompt_tokens = max_model_len - 1 if generates else max_model_len
 
     @property
     def max_prompt_chars(self) -> int:
@@ -366,7 +371,7 @@ class Tokenizer:
         longest = max((len(t) for t in self.hf.get_vocab()), default=1)
         return self.max_model_len * max(longest, 1)
 
-    def encode(self, prompt: str | list[dict[str, str]]) -> list[int]:
+    def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of one prompt.
 
         Raises:
@@ -378,18 +383,22 @@ class Tokenizer:
             raise ids
         return ids
 
-    def encode_batch(self, prompts: list[str | list[dict[str, str]]]) -> list[list[int] | RowError]:
+    def encode_batch(self, prompts: list[Prompt]) -> list[list[int] | RowError]:
         """Token ids of each prompt, or the ``RowError`` that prompt gets.
 
         The chat template is applied to each conversation, then all texts are
         tokenized in one call of the fast tokenizer, which is several times
-        cheaper per row than one call per row. A prompt that fails alone (a
-        template error on one conversation) does not fail the others.
+        cheaper per row than one call per row; a pair of texts (task score) is
+        joined by the tokenizer as a text pair, the way vLLM's cross-encoder
+        scoring makes its prompts (vllm/entrypoints/pooling/scoring/io_processor.py:
+        ``CrossEncoderIOProcessor``, ``tokenizer(text=q, text_pair=d)``). A
+        prompt that fails alone (a template error on one conversation) does
+        not fail the others.
         """
         if not prompts:
             return []
         try:
-            chat = [not isinstance(p, str) for p in prompts]
+            chat = [isinstance(p, list) for p in prompts]
             texts = list(prompts)
             if any(chat):  # one call renders every conversation (cheaper than one call each)
                 rendered = iter(self._chat_texts([p for p, c in zip(prompts, chat, strict=True) if c]))
@@ -404,31 +413,36 @@ class Tokenizer:
     def _chat_texts(self, conversations: list[list[dict[str, str]]]) -> list[str]:
         return self.hf.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
 
-    def _tokenize(self, texts: list[str], chat: list[bool]) -> list[list[int]]:
+    def _tokenize(self, texts: list[str | tuple[str, str]], chat: list[bool]) -> list[list[int]]:
         """Token ids of texts; a chat text already holds its template's special tokens (as
-        ``apply_chat_template(tokenize=True)`` tokenizes it), a raw prompt gets the tokenizer's."""
+        ``apply_chat_template(tokenize=True)`` tokenizes it), a raw prompt or a pair gets the tokenizer's."""
         out: list[list[int]] = [[] for _ in texts]
+        pairs = [i for i, t in enumerate(texts) if isinstance(t, tuple)]
+        if pairs:
+            firsts, seconds = zip(*(texts[i] for i in pairs), strict=True)
+            encoded = self.hf(list(firsts), list(seconds), add_special_tokens=True)["input_ids"]
+            for i, ids in zip(pairs, encoded, strict=True):
+                out[i] = list(ids)
         for special in (False, True):
-            idx = [i for i, c in enumerate(chat) if c != special]
+            idx = [i for i, c in enumerate(chat) if c != special and i not in pairs]
             if idx:
                 encoded = self.hf([texts[i] for i in idx], add_special_tokens=special)["input_ids"]
                 for i, ids in zip(idx, encoded, strict=True):
                     out[i] = list(ids)
         return out
 
-    def _one(self, prompt: str | list[dict[str, str]]) -> list[int] | RowError:
+    def _one(self, prompt: Prompt) -> list[int] | RowError:
         try:
-            text = prompt if isinstance(prompt, str) else self._chat_texts([prompt])[0]
-            (ids,) = self._tokenize([text], [not isinstance(prompt, str)])
+            text = self._chat_texts([prompt])[0] if isinstance(prompt, list) else prompt
+            (ids,) = self._tokenize([text], [isinstance(prompt, list)])
         except Exception as e:  # noqa: BLE001 - any tokenizer failure is this row's
             return RowError("tokenize_error", f"{type(e).__name__}: {e}")
         return self._fits(ids)
 
     def _fits(self, ids: list[int]) -> list[int] | RowError:
-        if len(ids) >= self.max_model_len:
+        if len(ids) > self.max_prompt_tokens:
+            room = ", which leaves no room to generate" if self.max_prompt_tokens < self.max_model_len else ""
             return RowError(
-                "prompt_too_long",
-                f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
-                "which leaves no room to generate",
+                "prompt_too_long", f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}{room}"
             )
         return ids

@@ -35,12 +35,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from shardgen.errors import RowError, ShardgenError, error_reason
+from shardgen.images import row_images
 from shardgen.progress import progress_bar
 from shardgen.stats import AttemptCounters
 
 if TYPE_CHECKING:
     from shardgen.engine import Tokenizer
     from shardgen.generate import ShardJob
+    from shardgen.lora import Adapters
     from shardgen.prompts import PromptRenderer
     from shardgen.tasks import Task
 
@@ -102,6 +104,25 @@ class Request:
     prompt_token_ids: list[int]
     params: Any
     row: dict[str, Any] = field(repr=False, default_factory=dict)
+    submitted: float = 0.0  # when it was given to the engine (time.time())
+    lora: Any = None  # the row's LoRARequest (lora.Adapters), None for the base model
+    image_columns: tuple[str, ...] = ()  # decoded only when the request goes to the engine
+
+
+@dataclass
+class RowInputs:
+    """What a row's request carries beside its tokens: its LoRA adapter and its images."""
+
+    adapters: Adapters | None = None
+    image_columns: tuple[str, ...] = ()
+
+    def lora(self, row: dict[str, Any]) -> Any:
+        """The row's ``LoRARequest`` (None: the base model).
+
+        Raises:
+            RowError: the row names an adapter that is not declared.
+        """
+        return self.adapters.for_row(row) if self.adapters is not None else None
 
 
 def prepared_requests(
@@ -111,15 +132,17 @@ def prepared_requests(
     task: Task,
     on_error: Callable[[int, dict[str, Any], RowError], None],
     order_window: int = 0,
+    inputs: RowInputs | None = None,
 ) -> Iterator[Request]:
     """The rows as requests, prepared ``PREPARE_BATCH`` at a time as they are pulled.
 
     A row that cannot become a prompt (a null value, a template error, too
-    long) goes to ``on_error`` instead. With ``order_window`` > 0, requests
+    long, an adapter not declared) goes to ``on_error`` instead. With ``order_window`` > 0, requests
     come out of a moving window of up to that many prepared ones, smallest
     prompt tokens first (prefix order).
     """
-    batches = (_prepare(batch, renderer, tokenizer, task, on_error) for batch in _chunks(rows, PREPARE_BATCH))
+    inputs = inputs or RowInputs()
+    batches = (_prepare(batch, renderer, tokenizer, task, on_error, inputs) for batch in _chunks(rows, PREPARE_BATCH))
     if order_window <= 0:
         for batch in batches:
             yield from batch
@@ -149,20 +172,25 @@ def _chunks(rows: Iterator[tuple[int, dict[str, Any]]], size: int) -> Iterator[l
         yield chunk
 
 
-def _prepare(batch, renderer, tokenizer, task, on_error) -> list[Request]:
+def _prepare(batch, renderer, tokenizer, task, on_error, inputs: RowInputs) -> list[Request]:
     prompts, keep = [], []
     for (index, row), prompt in zip(batch, renderer.render_batch([row for _, row in batch]), strict=True):
-        if isinstance(prompt, RowError):
-            on_error(index, row, prompt)
-        else:
-            prompts.append(prompt)
-            keep.append((index, row))
+        try:
+            if isinstance(prompt, RowError):
+                raise prompt
+            lora = inputs.lora(row)
+        except RowError as e:
+            on_error(index, row, e)
+            continue
+        prompts.append(prompt)
+        keep.append((index, row, lora))
     out = []
-    for (index, row), ids in zip(keep, tokenizer.encode_batch(prompts), strict=True):
+    for (index, row, lora), ids in zip(keep, tokenizer.encode_batch(prompts), strict=True):
         if isinstance(ids, RowError):
             on_error(index, row, ids)
         else:
-            out.append(Request(index, ids, task.params(index, row), row))
+            params = task.params(index, row)
+            out.append(Request(index, ids, params, row, lora=lora, image_columns=inputs.image_columns))
     return out
 
 
@@ -219,19 +247,43 @@ class Feeder:
 
     def _add(self, batch: list[Request]) -> Iterator[tuple[Request, str | None, Exception | None]]:
         """Add requests to the engine; ``(request, request id, None)`` for each one it took,
-        ``(request, None, error)`` for each one it refused (vLLM validates each request)."""
+        ``(request, None, error)`` for each one it refused (vLLM validates each request) or whose
+        images do not decode (decoded here, so that only the requests in flight hold theirs)."""
+        prompts: list[Any] = []
+        ready: list[Request] = []
+        for r in batch:
+            prompt: dict[str, Any] = {"prompt_token_ids": r.prompt_token_ids}
+            if r.image_columns:
+                try:
+                    prompt["multi_modal_data"] = {"image": row_images(r.image_columns, r.row)}
+                except RowError as e:
+                    yield r, None, e
+                    continue
+            prompts.append(prompt)
+            ready.append(r)
+        batch = ready
         if not batch:
             return
-        prompts: list[Any] = [{"prompt_token_ids": r.prompt_token_ids} for r in batch]
         renderer = getattr(self._engine, "renderer", None)
         if renderer is not None and hasattr(renderer, "render_cmpl"):
-            prompts = renderer.render_cmpl(prompts)  # one call for the batch (vLLM's own input path)
+            if not batch[0].image_columns:
+                prompts = renderer.render_cmpl(prompts)  # one call for the batch (vLLM's own input path)
+            else:  # one at a time: the model's processor may refuse one row's images, not the batch
+                kept, rendered = [], []
+                for req, prompt in zip(batch, prompts, strict=True):
+                    try:
+                        rendered.append(renderer.render_cmpl([prompt])[0])
+                        kept.append(req)
+                    except Exception as e:  # noqa: BLE001 - the processor's validation of this row's images
+                        yield req, None, e
+                batch, prompts = kept, rendered
         for req, prompt in zip(batch, prompts, strict=True):
             # Ids unique to this feed, so an engine shared by several feeds never
             # hands one feed's output to another.
             request_id = f"{self._feed_id}-{req.key}"
+            req.submitted = time.time()
             try:
-                self._engine.add_request(request_id, prompt, req.params)
+                self._engine.add_request(request_id, prompt, req.params, lora_request=req.lora)
             except Exception as e:  # noqa: BLE001 - vLLM's per-request validation
                 yield req, None, e
                 continue
@@ -260,7 +312,8 @@ class Feeder:
                         if request_id is not None:
                             in_flight[request_id] = req
                         else:
-                            error = RowError("rejected_by_engine", f"{type(e).__name__}: {e}")
+                            why = f"{type(e).__name__}: {e}"
+                            error = e if isinstance(e, RowError) else RowError("rejected_by_engine", why)
                             yield Completion(req.key, req.row, None, len(req.prompt_token_ids), 0, None, None, error)
                 if should_stop() or not in_flight:
                     return
@@ -284,12 +337,17 @@ class Feeder:
 def _completion(req: Request, out: Any, now: float) -> Completion:
     """The finished request's figures. TTFT from arrival includes the time the request waited in the
     engine's queue, which a saturated feed keeps full on purpose; queue time and TTFT from scheduling
-    split it (vllm/v1/metrics/stats.py: RequestStateStats, as update_from_finished_request does)."""
-    metrics = out.metrics
-    ttft = latency = queue = ttft_scheduled = None
+    split it (vllm/v1/metrics/stats.py: RequestStateStats, as update_from_finished_request does).
+
+    A pooling output (``PoolingRequestOutput``) carries no metrics and has no first token: its
+    latency is from its submission to the step that returned it (vllm/outputs.py)."""
+    metrics = getattr(out, "metrics", None)
+    ttft = queue = ttft_scheduled = None
+    latency = now - req.submitted if req.submitted else None
     if metrics is not None:
         ttft = metrics.first_token_latency or None
-        latency = now - metrics.arrival_time if metrics.arrival_time else None
+        if metrics.arrival_time:
+            latency = now - metrics.arrival_time
         if metrics.scheduled_ts and metrics.queued_ts:
             queue = max(metrics.scheduled_ts - metrics.queued_ts, 0.0)
         if metrics.first_token_ts and metrics.scheduled_ts:
@@ -321,6 +379,7 @@ class ShardFeed:
         stop: true once SIGTERM/SIGINT arrived.
         counters: where the attempt's work is counted.
         window: requests kept in flight (tests make it small).
+        inputs: what requests carry beside their tokens (a LoRA adapter, images).
     """
 
     def __init__(
@@ -332,8 +391,10 @@ class ShardFeed:
         stop: Callable[[], bool],
         counters: AttemptCounters,
         window: int | None = None,
+        inputs: RowInputs | None = None,
     ) -> None:
         self.job, self.task, self.tokenizer, self.stop = job, task, tokenizer, stop
+        self.inputs = inputs
         self.feeder = Feeder(llm, window)
         self.counters = counters
         self.order = job.config.prompt.order
@@ -361,7 +422,7 @@ class ShardFeed:
         job = self.job
         order_window = max(4 * self.feeder.window, 1024) if self.order == "prefix" else 0
         requests = prepared_requests(
-            job.remaining_rows(), job.renderer, self.tokenizer, self.task, self._row_error, order_window
+            job.remaining_rows(), job.renderer, self.tokenizer, self.task, self._row_error, order_window, self.inputs
         )
         every = job.config.checkpoint
         self._report_progress(time.time())

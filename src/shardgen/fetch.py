@@ -106,11 +106,11 @@ def _snapshot(repo_id: str, key: str, revision: str | None, cache_dir: str | Non
         return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, **kwargs)
     except HFValidationError as e:
         raise FetchError(
-            f"model.{key}: '{repo_id}' is neither a local directory nor a valid Hugging Face repo id: {_scrub(str(e))}"
+            f"{key}: '{repo_id}' is neither a local directory nor a valid Hugging Face repo id: {_scrub(str(e))}"
         ) from None
     except GatedRepoError:
         raise FetchError(
-            f"model.{key}: '{repo_id}' is a gated model: accept its terms on its hub page, then set HF_TOKEN in "
+            f"{key}: '{repo_id}' is a gated model: accept its terms on its hub page, then set HF_TOKEN in "
             f"the environment to a token of that account (never in the config) and run again, or: {hint}"
         ) from None
     except RevisionNotFoundError:
@@ -119,7 +119,7 @@ def _snapshot(repo_id: str, key: str, revision: str | None, cache_dir: str | Non
         ) from None
     except RepositoryNotFoundError:
         raise FetchError(
-            f"model.{key}: '{repo_id}' is not on the hub, or it is private: check the name, or set HF_TOKEN in the "
+            f"{key}: '{repo_id}' is not on the hub, or it is private: check the name, or set HF_TOKEN in the "
             "environment to a token that can read it"
         ) from None
     except LocalEntryNotFoundError as e:
@@ -127,18 +127,18 @@ def _snapshot(repo_id: str, key: str, revision: str | None, cache_dir: str | Non
             raise
         offline = "HF_HUB_OFFLINE is set, so nothing is downloaded; " if _hub_offline() else ""
         raise FetchError(
-            f"model.{key}: '{repo_id}'{rev} is not in the Hugging Face cache and could not be downloaded "
+            f"{key}: '{repo_id}'{rev} is not in the Hugging Face cache and could not be downloaded "
             f"({offline}{_first_line(e)}). On a machine with network access, "
             f"run: {hint}"
         ) from None
     except HfHubHTTPError as e:
         status = getattr(getattr(e, "response", None), "status_code", "?")
         raise FetchError(
-            f"model.{key}: the hub refused '{repo_id}'{rev} (HTTP {status}, {_first_line(e)}); "
+            f"{key}: the hub refused '{repo_id}'{rev} (HTTP {status}, {_first_line(e)}); "
             "for a private or gated model set HF_TOKEN in the environment (never in the config)"
         ) from None
     except Exception as e:  # noqa: BLE001 - a full disk, a proxy refusing...: the library raises many kinds
-        raise FetchError(f"model.{key}: fetching '{repo_id}'{rev} failed: {_first_line(e)}") from None
+        raise FetchError(f"{key}: fetching '{repo_id}'{rev} failed: {_first_line(e)}") from None
 
 
 def _hub_offline() -> bool:
@@ -163,7 +163,7 @@ def _resolve_one(
     if path.is_dir():
         return {"source": "local", "path": str(path.absolute())}
     if _looks_like_path(name):
-        raise FetchError(f"model.{key}: no such directory: '{name}'")
+        raise FetchError(f"{key}: no such directory: '{name}'")
 
     common = {
         "allow_patterns": list(patterns),
@@ -181,18 +181,16 @@ def _resolve_one(
         rev = f" at model.revision '{revision}'" if revision else ""
         if not allow_download:
             raise FetchError(
-                f"model.{key}: '{name}'{rev} is not (completely) in the Hugging Face cache ({where}), and "
+                f"{key}: '{name}'{rev} is not (completely) in the Hugging Face cache ({where}), and "
                 f"downloading is off here. Download it on the login node: {_download_hint(name, revision, cache_dir)}"
-                f" (HF_TOKEN set for gated models), or point model.{key} at a directory"
+                f" (HF_TOKEN set for gated models), or point {key} at a directory"
             )
         snapshot = _snapshot(name, key, revision, cache_dir, local_files_only=False, **common)
         if need_weights and not _has_weights(Path(snapshot)):
             common["allow_patterns"] = [*FALLBACK_WEIGHT_PATTERNS, *patterns]
             snapshot = _snapshot(name, key, revision, cache_dir, local_files_only=False, **common)
         if need_weights and not _has_weights(Path(snapshot)):
-            raise FetchError(
-                f"model.{key}: '{name}'{rev} has no weight files vLLM can load (*.safetensors, *.bin, *.pt)"
-            )
+            raise FetchError(f"{key}: '{name}'{rev} has no weight files vLLM can load (*.safetensors, *.bin, *.pt)")
         record["source"] = "downloaded"
     snap = Path(snapshot)
     return {**record, "path": str(snap.absolute()), "commit": snap.name}
@@ -204,8 +202,11 @@ def _default_cache() -> str:
     return constants.HF_HUB_CACHE
 
 
-def resolve_model(model_cfg: Mapping[str, Any], allow_download: bool = True) -> dict[str, Any]:
-    """Where the model (and a separate tokenizer) is on disk, fetching it only when it is not there yet.
+def resolve_model(
+    model_cfg: Mapping[str, Any], allow_download: bool = True, adapters: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """Where the model (and a separate tokenizer, and LoRA adapters) is on disk, fetching it only when
+    it is not there yet.
 
     Args:
         model_cfg: the config's ``model`` section: ``model``, ``revision``,
@@ -214,31 +215,45 @@ def resolve_model(model_cfg: Mapping[str, Any], allow_download: bool = True) -> 
             ``trust_remote_code``.
         allow_download: fetch from the hub what is not cached; off, nothing
             but the local disk is read.
+        adapters: ``lora.adapters``: LoRA adapters by name, each a directory or hub id.
 
     Returns:
         ``{"source": "local"|"cache"|"downloaded", "path": ..., and for hub
         models "repo_id", "revision" (as requested), "commit" (the
         snapshot's), "cache_dir"; "tokenizer": the same for
-        ``model.tokenizer`` or None; "download_dir"}``.
+        ``model.tokenizer`` or None; "download_dir"; "adapters": the same for
+        each LoRA adapter, by name}``.
 
     Raises:
-        FetchError: naming ``model.model`` / ``model.revision`` / ``model.tokenizer`` and what to do.
+        FetchError: naming ``model.model`` / ``model.revision`` / ``model.tokenizer`` /
+            ``lora.adapters.<name>`` and what to do.
     """
     cache_dir = model_cfg.get("download_dir")
     cache_dir = str(Path(cache_dir).expanduser().absolute()) if cache_dir else None
     revision = model_cfg.get("revision")
     code = ("*.py",) if model_cfg.get("trust_remote_code") else ()
     record = _resolve_one(
-        model_cfg["model"], "model", revision, cache_dir, MODEL_PATTERNS + code, allow_download, need_weights=True
+        model_cfg["model"], "model.model", revision, cache_dir, MODEL_PATTERNS + code, allow_download, need_weights=True
     )
     tokenizer = model_cfg.get("tokenizer")
     tok_record = None
     if tokenizer and tokenizer != model_cfg["model"]:
         # vLLM uses model.revision for the tokenizer too (its tokenizer_revision defaults to it).
         tok_record = _resolve_one(
-            tokenizer, "tokenizer", revision, cache_dir, TOKENIZER_PATTERNS + code, allow_download, need_weights=False
+            tokenizer,
+            "model.tokenizer",
+            revision,
+            cache_dir,
+            TOKENIZER_PATTERNS + code,
+            allow_download,
+            need_weights=False,
         )
-    return {**record, "tokenizer": tok_record, "download_dir": cache_dir}
+    # LoRA adapters: fetched like the model (no revision of their own), each by its name in lora.adapters
+    loras = {
+        name: _resolve_one(where, f"lora.adapters.{name}", None, cache_dir, MODEL_PATTERNS, allow_download, True)
+        for name, where in sorted((adapters or {}).items())
+    }
+    return {**record, "tokenizer": tok_record, "download_dir": cache_dir, "adapters": loras}
 
 
 def engine_model_args(resolved: dict[str, Any]) -> dict[str, Any]:
@@ -300,7 +315,7 @@ def main_fetch(config: RunConfig, output_path: str | Path) -> int:
     from shardgen.installed import vllm_build
     from shardgen.kernels import ensure_kernels
 
-    resolved = resolve_model(config.model, allow_download=True)
+    resolved = resolve_model(config.model, allow_download=True, adapters=config.lora.adapters)
     atomic_write_text(output_path, json.dumps(resolved, indent=1, sort_keys=True) + "\n")
     print(describe(resolved))
     # here, with internet access, rather than in every offline job (kernels.py)

@@ -30,20 +30,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen import jobinfo, memory
+from shardgen import heads, jobinfo, memory
 from shardgen.config import RunConfig, content_config, digest, warnings
 from shardgen.engine import Engine, EngineSettings, clear_thread_env, engine_kwargs
 from shardgen.errors import ShardgenError
-from shardgen.feed import ErrorBudget, ShardFeed, TooManyErrors
+from shardgen.feed import ErrorBudget, RowInputs, ShardFeed, TooManyErrors
 from shardgen.installed import vllm_version
 from shardgen.io import atomic_write_text
+from shardgen.lora import Adapters
 from shardgen.outputs import FINGERPRINT_KEY, ShardCheckpoint
 from shardgen.plan import Manifest, Shard
 from shardgen.prompts import PromptRenderer
-from shardgen.results import ResultSpec
+from shardgen.results import result_spec
 from shardgen.sources import Source
 from shardgen.stats import AttemptCounters, shard_stats
-from shardgen.tasks import GenerateTask
+from shardgen.tasks import make_task
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class ShardJob:
     fingerprint: str
     model_record: dict[str, Any]
     budget: ErrorBudget
+    head: heads.Head | None = None  # a pooling model's (heads.Head): its labels, its embedding size
     removed_env: dict[str, str] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
 
@@ -126,13 +128,14 @@ class ShardJob:
 
         removed_env = clear_thread_env()
         if model_record is None:
-            model_record = fetch.resolve_model(config.model, allow_download=False)
+            model_record = fetch.resolve_model(config.model, allow_download=False, adapters=config.lora.adapters)
         os.environ.update(fetch.job_environment(model_record))
         manifest = Manifest.load(manifest_path)
         shard = manifest.shard(shard_id)
         source = manifest.source()
         fingerprint = shard_fingerprint(config, manifest, shard)
-        schema = ResultSpec.of(config).schema(source.schema, fingerprint, config.fingerprint, shard.id)
+        head = heads.read_for(model_record) if config.task != "generate" else None
+        schema = result_spec(config, head).schema(source.schema, fingerprint, config.fingerprint, shard.id)
         out_dir = Path(config.output.dir)
         ckpt = ShardCheckpoint(out_dir / "checkpoints" / shard.id, shard.start, shard.stop, schema, below=out_dir)
         if guard is not None:
@@ -162,7 +165,7 @@ class ShardJob:
             log.warning(warning)
         renderer = PromptRenderer.from_config(config.prompt)
         return cls(config, shard, source, renderer, ckpt, done, attempts, attempt, fingerprint, model_record,
-                   budget, removed_env)  # fmt: skip
+                   budget, head, removed_env)  # fmt: skip
 
     @property
     def remaining(self) -> int:
@@ -213,6 +216,7 @@ class ShardJob:
             time.time() - self.started,
             self.config.model.gpus,
             run.engine_delta,
+            self.config.task,
         )
         slurm = self.attempt["slurm"]
         stats.update(
@@ -233,6 +237,10 @@ class ShardJob:
             gpu_model=", ".join(sorted({g.get("name") or "?" for g in settings.gpus})) or None,
             precision=settings.precision,
             model_source={k: self.model_record.get(k) for k in ("source", "path", "repo_id", "revision", "commit")},
+            lora_adapters={
+                name: {k: a.get(k) for k in ("source", "path", "repo_id", "commit")}
+                for name, a in (self.model_record.get("adapters") or {}).items()
+            },
             peak_rss_mib=jobinfo.peak_rss_mib(),
             host=self.attempt["host"],
             slurm=slurm,
@@ -329,9 +337,13 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
         raise
     run.engine_seconds = time.time() - t0  # about 0 when the job's engine was running already
 
-    tokenizer = engine.tokenizer()
+    tokenizer = engine.tokenizer(generates=job.config.task == "generate")
     job.renderer.max_chars = tokenizer.max_prompt_chars
-    feed = ShardFeed(job, GenerateTask(job.config, tokenizer), tokenizer, llm, stop, counters, window)
+    task = make_task(job.config, tokenizer, job.head)
+    loras = job.model_record.get("adapters") or {}
+    adapters = Adapters(job.config.lora, loras, settings.build) if job.config.lora.adapters else None
+    inputs = RowInputs(adapters, job.config.prompt.images)
+    feed = ShardFeed(job, task, tokenizer, llm, stop, counters, window, inputs)
     before = engine.counters()
     t1 = time.time()
     try:

@@ -20,13 +20,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardgen import __version__, formats
+from shardgen import __version__, formats, heads
 from shardgen.config import RunConfig
 from shardgen.errors import MergeError
 from shardgen.io import atomic_write_text
 from shardgen.outputs import CONFIG_KEY, SHARD_KEY, count_problems, rows_per_input
 from shardgen.plan import Manifest
-from shardgen.results import ResultSpec
+from shardgen.results import result_spec
 from shardgen.stats import RunTotals, summary_text
 from shardgen.trust import published_sampling
 
@@ -106,7 +106,10 @@ def provenance(config: RunConfig, first: dict[str, Any], run: RunTotals, config_
         "engine_args": engine.get("args"),
         # an attempt after running out of memory uses lower memory settings
         "shards_with_other_engine_args": differ,
-        "sampling": published_sampling(dict(config.sampling)),
+        "task": config.task,
+        "lora_adapters": first.get("lora_adapters") or None,
+        "sampling": published_sampling(dict(config.sampling)) if config.task == "generate" else None,
+        "pooling": dict(config.raw["pooling"]) if config.task != "generate" else None,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
@@ -120,9 +123,15 @@ def _batches(manifest: Manifest, shard_dir: Path) -> Iterator[tuple[pa.Schema, p
 
 
 def merge(
-    config: RunConfig, manifest_path: str | Path, shard_dir: str | Path, output: str | Path, stats_path: str | Path
+    config: RunConfig,
+    manifest_path: str | Path,
+    shard_dir: str | Path,
+    output: str | Path,
+    stats_path: str | Path,
+    model_record: str | Path | None = None,
 ) -> dict:
     """Merge the shard files of a plan into ``output`` (in ``output.format``) and ``stats_path``.
+    ``model_record`` (the fetch step's) gives a pooling task's columns when there are no shard files.
 
     Raises:
         MergeError: a shard file is missing, holds other rows than planned,
@@ -135,7 +144,10 @@ def merge(
     prov = provenance(config, first, run, config_fp)
 
     def empty() -> pa.Schema:  # the schema of an output without rows (input.allow_empty)
-        return ResultSpec.of(config).schema(manifest.source().schema).remove_metadata()
+        from shardgen.fetch import load_record
+
+        head = heads.read_for(load_record(model_record)) if model_record and config.task != "generate" else None
+        return result_spec(config, head).schema(manifest.source().schema).remove_metadata()
 
     formats.write(config.output.format, output, _batches(manifest, shard_dir), empty, prov)
     stats = run.result()
@@ -162,8 +174,8 @@ def push(config: RunConfig, dataset_path: str | Path, record_path: str | Path) -
     return record
 
 
-def main_merge(config, manifest, shard_dir, output, stats_path) -> int:
-    stats = merge(config, manifest, shard_dir, output, stats_path)
+def main_merge(config, manifest, shard_dir, output, stats_path, model_record=None) -> int:
+    stats = merge(config, manifest, shard_dir, output, stats_path, model_record)
     if stats["num_shards"] == 0:
         print("the input has no rows (input.allow_empty is true): wrote an empty output")
     print(summary_text(stats))

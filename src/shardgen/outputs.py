@@ -14,7 +14,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +41,14 @@ PROVENANCE_KEY = b"shardgen.provenance"
 def check_input_columns(
     schema: pa.Schema,
     prompt_columns: Iterable[str],
-    id_column: str | None,
+    keyed_columns: Mapping[str, str | None],
     result_columns: Iterable[str],
     prompt_key: str = "prompt.template",
 ) -> None:
     """Check the columns the run reads exist and none clashes with a result column.
+
+    Args:
+        keyed_columns: the columns config keys name (``input.id_column``, ``lora.column``), by key.
 
     Raises:
         InputError: naming the column.
@@ -55,8 +58,9 @@ def check_input_columns(
     for col in sorted(prompt_columns):
         if col not in names:
             raise InputError(f"{prompt_key} uses the column '{col}', which the input lacks (it has: {available})")
-    if id_column and id_column not in names:
-        raise InputError(f"input.id_column: the input has no column '{id_column}' (it has: {available})")
+    for key, col in keyed_columns.items():
+        if col and col not in names:
+            raise InputError(f"{key}: the input has no column '{col}' (it has: {available})")
     if clash := sorted(names & set(result_columns)):
         raise InputError(f"input: the column(s) {clash} clash with the columns shardgen adds; rename them in the input")
 

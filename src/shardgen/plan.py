@@ -120,13 +120,15 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
     """
     from shardgen.outputs import check_input_columns
     from shardgen.prompts import PromptRenderer
-    from shardgen.results import ResultSpec
+    from shardgen.results import result_spec
 
     source = open_source(config.input)
     renderer = PromptRenderer.from_config(config.prompt)
-    result_columns = ResultSpec.of(config).names
+    result_columns = result_spec(config).names
     prompt_key = "prompt.messages_column" if renderer.messages_column else "prompt.template"
-    check_input_columns(source.schema, renderer.columns, config.input.id_column, result_columns, prompt_key)
+    keyed = {"input.id_column": config.input.id_column, "lora.column": config.lora.column}
+    keyed |= {f"prompt.images[{i}]": c for i, c in enumerate(config.prompt.images)}
+    check_input_columns(source.schema, renderer.columns, keyed, result_columns, prompt_key)
     if source.num_rows == 0 and not config.input.allow_empty:
         raise InputError(
             f"input: {source.describe()} has no rows; nothing to generate. "

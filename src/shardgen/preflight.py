@@ -22,9 +22,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardgen import engine as eng
+from shardgen import heads, lora
 from shardgen.config import RunConfig, engine_version, warnings
 from shardgen.errors import RowError, ShardgenError
 from shardgen.gpus import FP4_WEIGHT_FORMATS, FP8_WEIGHT_FORMATS, MXFP4_WEIGHT_FORMATS, checkpoint_quant_method
+from shardgen.images import row_images
 from shardgen.installed import version_problem, vllm_build
 from shardgen.io import atomic_write_text
 from shardgen.kernels import kernel_problem
@@ -237,7 +239,7 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
         problems += check_ids(source, manifest, config.input.id_column)
 
     # The model: local files, a tokenizer, a precision this build runs, a context that fits.
-    record = record or resolve_model(model_cfg, allow_download=False)
+    record = record or resolve_model(model_cfg, allow_download=False, adapters=config.lora.adapters)
     model_dir = Path(record["path"])
     hf_config = _hf_config(model_dir)
     build = vllm_build()
@@ -255,13 +257,16 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
             f"model.max_model_len: {model_cfg['max_model_len']} is more than the model's own context "
             f"({own[1]} = {own[0]} in {model_dir / 'config.json'}); vLLM refuses to start with it"
         )
-    if max_len is not None and sampling.max_tokens >= max_len:
+    problems += lora.problems(model_cfg, record.get("adapters") or {})
+    if config.task != "generate":
+        problems += heads.problems(config.task, heads.Head.read(model_dir), model_cfg, config.raw["pooling"])
+    elif max_len is not None and sampling.max_tokens >= max_len:
         problems.append(
             f"sampling.max_tokens ({sampling.max_tokens}) leaves no room for a prompt in the model's "
             f"context of {max_len} tokens"
         )
     hf_tokenizer = _load_tokenizer(model_cfg, record)
-    tokenizer = eng.Tokenizer(hf_tokenizer, max_len or 2**62)
+    tokenizer = eng.Tokenizer(hf_tokenizer, max_len or 2**62, generates=config.task == "generate")
     more_problems, more_notes = check_sampling(config, hf_tokenizer, build)
     problems += more_problems
     notes += more_notes
@@ -282,6 +287,8 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     prompts = []
     for index, row in sample:
         try:
+            lora.adapter_name(config.lora, row, build)
+            row_images(config.prompt.images, row)  # decoded here: a column of broken images is found now
             prompts.append((index, row, renderer.render(row)))
         except RowError as e:
             row_error(index, row, e)
@@ -305,7 +312,7 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
             f"{errors} of {len(sample)} sampled rows will be per-row errors (about "
             f"{round(errors / len(sample) * manifest.total_rows)} of all rows): {detail}"
         )
-    if max_len is not None:
+    if max_len is not None and config.task == "generate":
         short = sum(1 for n in lengths if n + sampling.max_tokens > max_len)
         if short:
             notes.append(
@@ -337,10 +344,12 @@ def estimate(config: RunConfig, manifest: Manifest, lengths: list[int]) -> dict[
     """The run's size: rows, shards, prompt tokens (from the sample) and GPU-hours at the stated throughput."""
     rows, shards = manifest.total_rows, len(manifest.shards)
     pre = config.preflight
+    generates = config.task == "generate"
     # every sample of a row is generated: n of them
-    out_tokens = rows * config.sampling.max_tokens * config.sampling.n
+    out_tokens = rows * config.sampling.max_tokens * config.sampling.n if generates else 0
     mean_prompt = sum(lengths) / len(lengths) if lengths else 0.0
-    seconds = out_tokens / pre.tokens_per_second + shards * pre.engine_start_seconds
+    work = out_tokens if generates else mean_prompt * rows  # a pooling task's work is its prompts
+    seconds = work / pre.tokens_per_second + shards * pre.engine_start_seconds
     gpus = config.model.gpus
     return {
         "rows": rows,

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from shardgen.config import PromptConfig
 
 ROLES = ("system", "user", "assistant")
+# A row's prompt: raw text, chat messages, or (task score) a pair of texts.
+Prompt = str | list[dict[str, str]] | tuple[str, str]
 
 
 class PromptRenderer:
@@ -48,6 +50,11 @@ class PromptRenderer:
             template) or raw completion text.
         few_shot: Example turns (``{"role", "content"}``) placed before the row's own.
         messages_column: A column holding the row's messages, instead of ``template``.
+        pair_template: the second text of a pair (task score): each prompt is then a
+            ``(template's text, pair_template's text)`` pair, for the tokenizer to join.
+        images: image columns (``prompt.images``): the user message gets one image part per
+            column before its text, for the model's chat template to place.
+        key: the config key the template came from, for messages.
     """
 
     def __init__(
@@ -57,6 +64,9 @@ class PromptRenderer:
         chat: bool = True,
         few_shot: list[dict[str, str]] | None = None,
         messages_column: str | None = None,
+        pair_template: str | None = None,
+        images: list[str] | tuple[str, ...] | None = None,
+        key: str = "prompt.template",
     ) -> None:
         if (template is None) == (messages_column is None):
             raise ConfigError("prompt: set exactly one of prompt.template and prompt.messages_column")
@@ -72,22 +82,31 @@ class PromptRenderer:
             try:
                 parsed = env.parse(template)
                 if recursive := recursive_macros(parsed):
-                    raise ConfigError(f"prompt.template: the macro(s) {', '.join(recursive)} call themselves; "
+                    raise ConfigError(f"{key}: the macro(s) {', '.join(recursive)} call themselves; "
                                       "recursion is not allowed in prompt templates")  # fmt: skip
                 with RenderBudget():
                     self._template = env.from_string(parsed)
             except TemplateTimeout:
-                raise ConfigError("prompt.template: compiling it took too long") from None
+                raise ConfigError(f"{key}: compiling it took too long") from None
             except TemplateSyntaxError as e:
-                raise ConfigError(f"prompt.template: syntax error on line {e.lineno}: {e.message}") from e
+                raise ConfigError(f"{key}: syntax error on line {e.lineno}: {e.message}") from e
             except ConfigError:
                 raise
             except Exception as e:
-                raise ConfigError(f"prompt.template: cannot compile it: {type(e).__name__}: {e}") from e
+                raise ConfigError(f"{key}: cannot compile it: {type(e).__name__}: {e}") from e
             self.columns = frozenset(jinja2.meta.find_undeclared_variables(parsed))
         else:
             self.columns = frozenset({messages_column})
         self.messages_column = messages_column
+        self.images = tuple(images or ())
+        if self.images and (not chat or messages_column):
+            raise ConfigError("prompt.images go into the user message: they need prompt.template and prompt.chat: true")
+        self.pair: PromptRenderer | None = None
+        if pair_template is not None:
+            if chat or messages_column:
+                raise ConfigError("prompt.pair_template makes text pairs: it needs prompt.template, prompt.chat: false")
+            self.pair = PromptRenderer(pair_template, chat=False, key="prompt.pair_template")
+            self.columns |= self.pair.columns
         self.system = system
         self.chat = chat
         self.prefix: list[dict[str, str]] = ([{"role": "system", "content": system}] if system else []) + [
@@ -97,7 +116,8 @@ class PromptRenderer:
     @classmethod
     def from_config(cls, prompt: PromptConfig) -> PromptRenderer:
         """The renderer for the config's ``prompt`` section."""
-        return cls(prompt.template, prompt.system, prompt.chat, list(prompt.few_shot), prompt.messages_column)
+        return cls(prompt.template, prompt.system, prompt.chat, list(prompt.few_shot), prompt.messages_column,
+                   prompt.pair_template, prompt.images)  # fmt: skip
 
     def render_text(self, row: Mapping[str, Any], budget: RenderBudget | None = None) -> str:
         """Render the template for one row (within ``budget``'s batch, or a budget of its own).
@@ -192,16 +212,23 @@ class PromptRenderer:
             raise RowError("invalid_messages", f"column '{name}': the last message is the assistant's, not a question")
         return messages
 
-    def render(self, row: Mapping[str, Any], budget: RenderBudget | None = None) -> str | list[dict[str, str]]:
-        """The prompt for one row: chat messages in chat mode, else text."""
+    def render(self, row: Mapping[str, Any], budget: RenderBudget | None = None) -> Prompt:
+        """The prompt for one row: chat messages in chat mode, a pair of texts with a pair template,
+        else text."""
         if self.messages_column:
             return self.prefix + self.row_messages(row)
         text = self.render_text(row, budget)
+        if self.pair is not None:
+            self.pair.max_chars = self.max_chars
+            return (text, self.pair.render_text(row, budget))
         if not self.chat:
             return text
+        if self.images:
+            parts: list[dict[str, str]] = [{"type": "image"} for _ in self.images]
+            return [*self.prefix, {"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
         return [*self.prefix, {"role": "user", "content": text}]
 
-    def render_batch(self, rows: list[Mapping[str, Any]]) -> list[str | list[dict[str, str]] | RowError]:
+    def render_batch(self, rows: list[Mapping[str, Any]]) -> list[Prompt | RowError]:
         """The prompt of each row, or the ``RowError`` it gets, under one render budget."""
         out: list[Any] = []
         with RenderBudget() as budget:

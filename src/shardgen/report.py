@@ -43,6 +43,16 @@ FILES = (TOTALS, THROUGHPUT, TTFT, TOKEN_LENGTHS, TIME_PER_SHARD)
 MAX_BARS = 60  # more shards than this: a ranked line, or bars of groups of shards
 LENGTH_CAP = 1 << 20  # token counts at or above share the last bin (bounds the counting array)
 TOKEN_COLUMNS = {"prompt_tokens": "Prompt length", "generated_tokens": "Output length"}
+# Rows of the totals table that only text generation has.
+GENERATION_ONLY_ROWS = {
+    "generated tokens",
+    "output tokens/s",
+    "total tokens/s (prompt + output)",
+    "time to first token p50 / p90 / p99",
+    "  of which queued before scheduling",
+    "  from scheduling to first token",
+    "output tokens per GPU-hour",
+}
 
 # Text stays text in the SVG (searchable, small) and the files are byte-for-byte
 # repeatable (no date, fixed ids), so a rerun changes nothing.
@@ -248,6 +258,11 @@ def totals(stats: dict[str, Any], shards: list[ShardFigures]) -> list[tuple[str,
         ("GPU-hours", _fmt(_num(stats.get("gpu_hours")), ",.4f")),
         ("output tokens per GPU-hour", _fmt(_num(stats.get("output_tokens_per_gpu_hour")), ",.0f")),
     ]
+    if stats.get("task", "generate") != "generate":  # a pooling task: no output tokens, no first token
+        rows = [("task", stats["task"])] + [r for r in rows if r[0] not in GENERATION_ONLY_ROWS]
+        at = [r[0] for r in rows].index("requests/s") + 1
+        rows.insert(at, ("prompt tokens/s", _fmt(_num(stats.get("prompt_tokens_per_s")))))
+        rows.append(("rows per GPU-hour", _fmt(_num(stats.get("rows_per_gpu_hour")), ",.0f")))
     if "preemptions" in stats:
         rows.append(("preemptions (KV cache full)", n("preemptions")))
     spec = stats.get("spec_decode") or {}

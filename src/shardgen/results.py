@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from shardgen.errors import ConfigError, RowError
+from shardgen.errors import ConfigError, RowError, ShardgenError
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
@@ -40,6 +40,11 @@ RESERVED_COLUMNS = (
     "choice_probs",
     "logprobs",
     "error",
+    # pooling tasks (PoolingSpec)
+    "probs",
+    "reward",
+    "embedding",
+    "score",
 )
 
 
@@ -92,8 +97,43 @@ def _to_typed(value: Any, schema: Any) -> Any:
     return value
 
 
-class ResultSpec:
-    """The result columns of a run, and the rows a completion gives.
+class Columns:
+    """What every task's result columns share: the shard file's schema, the names, the rows of an
+    input row that got no result."""
+
+    rows_per_input = 1
+
+    def fields(self) -> list[pa.Field]:
+        raise NotImplementedError
+
+    def schema(
+        self, input_schema: pa.Schema, fingerprint: str = "", config_fingerprint: str = "", shard_id: str = ""
+    ) -> pa.Schema:
+        """A shard file's schema (the merged output's, with no fingerprints): the input's columns, then
+        the result columns, stamped with the shard and what made it."""
+        from shardgen.outputs import CONFIG_KEY, FINGERPRINT_KEY, ROWS_PER_INPUT_KEY, SHARD_KEY
+
+        meta = {
+            FINGERPRINT_KEY: fingerprint.encode(),
+            CONFIG_KEY: config_fingerprint.encode(),
+            SHARD_KEY: shard_id.encode(),
+            ROWS_PER_INPUT_KEY: str(self.rows_per_input).encode(),
+        }
+        return pa.schema(list(input_schema) + self.fields(), metadata=meta)
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.fields()]
+
+    def error_rows(self, row: dict[str, Any], index: int, error: str, prompt_tokens: int | None = None) -> list[dict]:
+        """The output rows of an input row that got no result."""
+        return [
+            {**row, **dict.fromkeys(self.names), "row_index": index, "prompt_tokens": prompt_tokens, "error": error}
+        ]
+
+
+class ResultSpec(Columns):
+    """The result columns of a text generation run, and the rows a completion gives.
 
     Args:
         sampling: the config's ``sampling`` section (``SamplingParams`` fields).
@@ -135,23 +175,8 @@ class ResultSpec:
         """The result columns of a run."""
         return cls(config.sampling, config.output.samples, config.output.choice_probs, choice_token_ids)
 
-    def schema(
-        self, input_schema: pa.Schema, fingerprint: str = "", config_fingerprint: str = "", shard_id: str = ""
-    ) -> pa.Schema:
-        """A shard file's schema (the merged output's, with no fingerprints): the input's columns, then
-        the result columns, stamped with the shard and what made it."""
-        from shardgen.outputs import CONFIG_KEY, FINGERPRINT_KEY, ROWS_PER_INPUT_KEY, SHARD_KEY
-
-        meta = {
-            FINGERPRINT_KEY: fingerprint.encode(),
-            CONFIG_KEY: config_fingerprint.encode(),
-            SHARD_KEY: shard_id.encode(),
-            ROWS_PER_INPUT_KEY: str(self.rows_per_input).encode(),
-        }
-        return pa.schema(list(input_schema) + self.fields(), metadata=meta)
-
     @property
-    def rows_per_input(self) -> int:
+    def rows_per_input(self) -> int:  # type: ignore[override]
         """Output rows each input row gives."""
         return self.n if self.as_rows else 1
 
@@ -181,13 +206,9 @@ class ResultSpec:
         out.append(pa.field("error", pa.string()))
         return out
 
-    @property
-    def names(self) -> list[str]:
-        return [f.name for f in self.fields()]
-
     def error_rows(self, row: dict[str, Any], index: int, error: str, prompt_tokens: int | None = None) -> list[dict]:
         """The output rows of an input row that got no generation."""
-        base = {**row, **dict.fromkeys(self.names), "row_index": index, "prompt_tokens": prompt_tokens, "error": error}
+        (base,) = super().error_rows(row, index, error, prompt_tokens)
         if not self.as_rows:
             return [base]
         return [{**base, "sample_index": i} for i in range(self.n)]
@@ -264,6 +285,95 @@ class ResultSpec:
         weights = [math.exp(lp - top) for lp in lps]
         total = sum(weights)
         return {c: w / total for c, w in zip(self.choices or [], weights, strict=True)}
+
+
+# classify with pooling.top_k: the k most likely classes, most likely first
+LABEL_PROB_TYPE = pa.list_(pa.struct([("label", pa.string()), ("prob", pa.float32())]))
+
+
+class PoolingSpec(Columns):
+    """The result columns of a pooling task, and the row a pooled output gives: one output row per
+    input row, with its ``row_index``, ``prompt_tokens`` and ``error``, and
+
+    - ``classify``: ``label``, the most likely class, and ``probs``, each class's
+      probability as a struct with a float32 field per class named by the
+      model's ``id2label``; with ``pooling.top_k``, ``probs`` is instead the k
+      most likely classes, a list of ``{label, prob}``, most likely first;
+    - ``reward``: ``reward``, float32 (a list of float32, one per prompt token,
+      for a per-token reward model);
+    - ``embed``: ``embedding``, a fixed-size list of float32 (the Arrow type
+      vector indexes read), of the model's embedding size or ``pooling.dimensions``;
+    - ``score``: ``score``, float32, the cross-encoder's score of the pair.
+
+    Args:
+        task: ``classify``, ``reward``, ``embed`` or ``score``.
+        head: the model's (``heads.Head``); without it only the column names are known.
+        pooling: the config's ``pooling`` section.
+    """
+
+    def __init__(self, task: str, head: Any = None, pooling: Mapping[str, Any] | None = None) -> None:
+        from shardgen.heads import embedding_dim
+
+        pooling = pooling or {}
+        self.task = task
+        self.labels: list[str] = list(head.labels) if head is not None else []
+        self.top_k: int | None = pooling.get("top_k")
+        self.dim = embedding_dim(head, pooling)
+        self.per_token = bool(head is not None and head.per_token_reward)
+
+    def _pooled_fields(self) -> list[pa.Field]:
+        if self.task == "classify":
+            probs = LABEL_PROB_TYPE if self.top_k else pa.struct([(label, pa.float32()) for label in self.labels])
+            return [pa.field("label", pa.string()), pa.field("probs", probs)]
+        if self.task == "reward":
+            return [pa.field("reward", pa.list_(pa.float32()) if self.per_token else pa.float32())]
+        if self.task == "embed":
+            return [pa.field("embedding", pa.list_(pa.float32(), self.dim) if self.dim else pa.list_(pa.float32()))]
+        return [pa.field("score", pa.float32())]
+
+    def fields(self) -> list[pa.Field]:
+        return [pa.field("row_index", pa.int64(), nullable=False), pa.field("prompt_tokens", pa.int32()),
+                *self._pooled_fields(), pa.field("error", pa.string())]  # fmt: skip
+
+    def rows(self, row: dict[str, Any], index: int, prompt_tokens: int, data: list[Any]) -> list[dict]:
+        """The output row of an input row whose pooled output is ``data`` (the engine's tensor as a list).
+
+        Raises:
+            ShardgenError: the engine's output does not have the shape the
+                model's config promised (every row would fail the same way).
+        """
+        out = {**row, "row_index": index, "prompt_tokens": prompt_tokens, "error": None}
+        if self.task == "classify":
+            self._expect(len(data), len(self.labels), "class probabilities", "id2label's labels")
+            ranked = sorted(range(len(data)), key=lambda i: -data[i])
+            out["label"] = self.labels[ranked[0]]
+            if self.top_k:
+                out["probs"] = [{"label": self.labels[i], "prob": data[i]} for i in ranked[: self.top_k]]
+            else:
+                out["probs"] = dict(zip(self.labels, data, strict=True))
+        elif self.task == "embed":
+            if self.dim:
+                self._expect(len(data), self.dim, "embedding values", "the declared embedding size")
+            out["embedding"] = data
+        else:
+            flat = [x for v in data for x in (v if isinstance(v, list) else [v])]
+            out[self.task] = flat if self.task == "reward" and self.per_token else flat[0]
+        return [out]
+
+    def _expect(self, got: int, want: int, what: str, of: str) -> None:
+        if got != want:
+            raise ShardgenError(
+                f"the engine gave {got} {what} per row, but the model's config.json says {want} ({of}); "
+                "is model.model the checkpoint you meant, or is a pooler/hf_overrides setting changing its head?"
+            )
+
+
+def result_spec(config: RunConfig, head: Any = None, choice_token_ids: Sequence[int] | None = None) -> Columns:
+    """The result columns of a run: its task's, for the model's ``head`` (``heads.Head``; without it
+    only the column names are known)."""
+    if config.task == "generate":
+        return ResultSpec.of(config, choice_token_ids)
+    return PoolingSpec(config.task, head, config.raw.get("pooling") or {})
 
 
 def choice_first_tokens(tokenizer: Any, choices: list[str]) -> list[int]:

@@ -94,17 +94,19 @@ def _rate(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
 
-def summarize(counters: dict[str, Any], hists: dict[str, LogHistogram]) -> dict[str, Any]:
+def summarize(counters: dict[str, Any], hists: dict[str, LogHistogram], generates: bool = True) -> dict[str, Any]:
     """Derived figures: throughput, cache hit rate, latency percentiles.
 
     Throughput is the engine work of the attempts that finished the shards
     (``attempt_*``) over their generation time; rows taken from checkpoints
-    cost no generation time now and are not counted in it.
+    cost no generation time now and are not counted in it. A pooling task
+    (``generates`` false) has no output tokens: its output rates are None.
     """
     out: dict[str, Any] = {}
     gen_s = counters.get("generation_seconds", 0.0)
     prompt, generated = counters.get("attempt_prompt_tokens", 0), counters.get("attempt_generated_tokens", 0)
-    out["output_tokens_per_s"] = _rate(generated, gen_s)
+    out["output_tokens_per_s"] = _rate(generated, gen_s) if generates else None
+    out["prompt_tokens_per_s"] = _rate(prompt, gen_s)
     out["total_tokens_per_s"] = _rate(generated + prompt, gen_s)
     out["requests_per_s"] = _rate(counters.get("attempt_requests", 0), gen_s)
     out["prefix_cache_hit_rate"] = _rate(counters.get("cached_prompt_tokens", 0), prompt)
@@ -136,6 +138,8 @@ class AttemptCounters:
 
 
 def _column_sum(table: pa.Table, name: str) -> int:
+    if name not in table.column_names:  # a pooling task generates no tokens
+        return 0
     col = table.column(name)
     if pa.types.is_list(col.type):
         col = pc.list_flatten(col)
@@ -163,6 +167,7 @@ def shard_stats(
     wall_seconds: float,
     gpus: int,
     engine_delta: dict[str, float] | None = None,
+    task: str = "generate",
 ) -> dict[str, Any]:
     """A committed shard's figures: the rows of its file, and the work of the attempt that finished it.
 
@@ -173,6 +178,7 @@ def shard_stats(
         counters: what the finishing attempt counted as it ran.
         engine_delta: the engine's counters over the attempt (``Engine.counters``
             after minus before): preemptions and speculative decoding.
+        task: the run's (``generate``, or a pooling task, which has no output tokens).
     """
     reasons = error_reasons(table)
     figures = {
@@ -197,11 +203,12 @@ def shard_stats(
     hists = counters.histograms()
     return {
         "shard": shard.id,
+        "task": task,
         "row_start": shard.start,
         "row_stop": shard.stop,
         **figures,
         "error_reasons": reasons,
-        **summarize(figures, hists),
+        **summarize(figures, hists, task == "generate"),
         "histograms": {k: h.to_json() for k, h in hists.items()},
         **engine_stats(engine_delta or {}),
     }
@@ -235,6 +242,7 @@ SHARD_SUMMARY_KEYS = (
     "prompt_tokens",
     "generated_tokens",
     "output_tokens_per_s",
+    "prompt_tokens_per_s",
     "requests_per_s",
     "prefix_cache_hit_rate",
     "ttft_p50_s",
@@ -273,8 +281,10 @@ class RunTotals:
         self.peak_rss = 0.0
         self.gpu_models: dict[str, int] = {}
         self.shards: list[dict[str, Any]] = []
+        self.task = "generate"
 
     def add(self, s: dict[str, Any]) -> None:
+        self.task = s.get("task", "generate")
         for k in SUMMED:
             self.totals[k] += s.get(k) or 0
         for k in HISTOGRAMS:
@@ -293,9 +303,14 @@ class RunTotals:
 
     def result(self) -> dict[str, Any]:
         totals = dict(self.totals)
+        totals["task"] = self.task
         totals["error_reasons"] = self.error_reasons
-        totals.update(summarize(totals, self.hists))
-        totals["output_tokens_per_gpu_hour"] = _rate(totals["attempt_generated_tokens"], totals["gpu_hours"])
+        generates = self.task == "generate"
+        totals.update(summarize(totals, self.hists, generates))
+        totals["output_tokens_per_gpu_hour"] = (
+            _rate(totals["attempt_generated_tokens"], totals["gpu_hours"]) if generates else None
+        )
+        totals["rows_per_gpu_hour"] = _rate(totals["attempt_requests"], totals["gpu_hours"])
         totals["spec_decode"] = (
             {**self.spec, "acceptance_rate": _rate(self.spec["accepted_tokens"], self.spec["draft_tokens"])}
             if self.spec_seen
@@ -339,6 +354,8 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
 def summary_text(stats: dict[str, Any]) -> str:
     """A short summary for people, printed at the end of a run."""
     hit = stats["prefix_cache_hit_rate"]
+    if stats.get("task", "generate") != "generate":
+        return _pooling_summary_text(stats, hit)
     lines = [
         f"rows            {stats['rows']}  ({stats['errors']} errors"
         + (", " + ", ".join(f"{k}: {v}" for k, v in stats["error_reasons"].items()) if stats["error_reasons"] else "")
@@ -361,3 +378,19 @@ def summary_text(stats: dict[str, Any]) -> str:
     if spec:
         lines.append(f"speculation     {_fmt(100 * (spec['acceptance_rate'] or 0))}% of draft tokens accepted")
     return "\n".join(lines)
+
+
+def _pooling_summary_text(stats: dict[str, Any], hit: float | None) -> str:
+    """The summary of a pooling run (classify, reward, embed, score): rows and prompt tokens, no output."""
+    reasons = ", ".join(f"{k}: {v}" for k, v in stats["error_reasons"].items())
+    return "\n".join([
+        f"task            {stats['task']}",
+        f"rows            {stats['rows']}  ({stats['errors']} errors" + (f", {reasons}" if reasons else "") + ")",
+        f"shards          {stats['num_shards']}  (rows resumed from checkpoints: {stats['rows_resumed']})",
+        f"throughput      {_fmt(stats['requests_per_s'], '.2f')} rows/s, {_fmt(stats['prompt_tokens_per_s'])} prompt "
+        f"tok/s (over {_fmt(stats['generation_seconds'])} s of pooling; {stats['prompt_tokens']} prompt tokens)",
+        f"latency         end-to-end p50 {_fmt(stats['latency_p50_s'], '.3f')} s, p90 "
+        f"{_fmt(stats['latency_p90_s'], '.3f')} s",
+        f"prefix cache    {_fmt(hit if hit is None else 100 * hit)}% of prompt tokens",
+        f"GPU-hours       {stats['gpu_hours']:.4f}  ({_fmt(stats.get('rows_per_gpu_hour'), '.0f')} rows per GPU-hour)",
+    ])  # fmt: skip

@@ -11,8 +11,9 @@ the rest:
 - ``finish(row, completion)``: the output rows of an engine output, and the
   tokens it generated.
 
-Text generation (``GenerateTask``) is one implementation; a classifier or an
-embedding model is another, with the same feed.
+Text generation (``GenerateTask``) is one implementation; the pooling tasks
+(``PoolingTask``: a classifier, a reward model, an embedding model, a
+cross-encoder) are another, with the same feed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shardgen import engine as eng
-from shardgen.results import ResultSpec, Sample, choice_first_tokens
+from shardgen.heads import POOLING_TASKS
+from shardgen.results import Columns, PoolingSpec, ResultSpec, Sample, choice_first_tokens
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
@@ -39,7 +41,7 @@ class Finished:
 
 
 class Task(Protocol):
-    spec: ResultSpec
+    spec: Columns
 
     def params(self, index: int, row: dict[str, Any]) -> Any: ...
 
@@ -97,3 +99,42 @@ def _sample(out: Any) -> Sample:
             positions.append([(int(t), v.decoded_token, float(v.logprob)) for t, v in ranked])
         first = {int(t): float(v.logprob) for t, v in out.logprobs[0].items()}
     return Sample(out.text, out.finish_reason, len(out.token_ids), positions, first)
+
+
+class PoolingTask:
+    """A pooling model's one result per row (``classify``, ``reward``, ``embed``, ``score``): every
+    request gets its own ``PoolingParams`` with the pooling task set, and the engine's pooled
+    tensor becomes the row's columns (``results.PoolingSpec``).
+
+    The task is set on every request: left unset, vLLM picks the per-token
+    variant (``token_classify``/``token_embed``) where the model has one
+    (vllm/v1/engine/input_processor.py: ``InputProcessor._validate_params``).
+    A request's params are its own, as vLLM sets fields on them.
+
+    Args:
+        head: the model's (``heads.Head``), which decides the columns' shapes.
+    """
+
+    def __init__(self, config: RunConfig, head: Any) -> None:
+        self.spec = PoolingSpec(config.task, head, config.raw["pooling"])
+        self.vllm_task = "token_classify" if self.spec.per_token else POOLING_TASKS[config.task]
+        pooling = config.pooling
+        # a reward is the model's raw score; probabilities and normalised embeddings otherwise
+        self.use_activation = pooling.use_activation if pooling.use_activation is not None else config.task != "reward"
+        self.dimensions = pooling.dimensions
+
+    def params(self, index: int, row: dict[str, Any]) -> Any:
+        from vllm import PoolingParams
+
+        return PoolingParams(task=self.vllm_task, use_activation=self.use_activation, dimensions=self.dimensions)
+
+    def finish(self, row: dict[str, Any], completion: Completion) -> Finished:
+        data = completion.output.outputs.data.tolist()
+        return Finished(self.spec.rows(row, completion.key, completion.prompt_tokens, data), None, 0)
+
+
+def make_task(config: RunConfig, tokenizer: eng.Tokenizer, head: Any) -> Task:
+    """The run's task, for the running engine's tokenizer and the model's head."""
+    if config.task == "generate":
+        return GenerateTask(config, tokenizer)
+    return PoolingTask(config, head)

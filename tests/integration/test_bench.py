@@ -45,3 +45,15 @@ def test_the_feed_benchmark_compares_shardgen_with_llm_chat_on_the_toy_model_wit
             assert m["steps_short"] == 0, "the feed kept the engine's queue full"
     assert result["profile_top"][0]["total_s"] > 0
     assert "| 1024 | text |" in (tmp_path / "feed.md").read_text()
+
+
+def test_the_pooling_benchmark_compares_shardgen_with_llm_classify_and_embed_on_the_same_values(tmp_path, model_dir):
+    cmd = [sys.executable, str(ROOT / "bench" / "pooling.py"), "--size", "smoke", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "pooling.json").read_text())
+    assert set(result["tasks"]) == {"classify", "embed"}
+    for m in result["tasks"].values():
+        assert m["vllm_rows_per_s"] > 0 and m["shardgen_rows_per_s"] > 0
+        assert m["max_abs_diff"] < 1e-3, "shardgen and vLLM's own call pool the same values"
+    assert "| classify | `LLM.classify` |" in (tmp_path / "pooling.md").read_text()

@@ -115,18 +115,27 @@ def worker_ids():
 
 
 def all_shard_outputs(wildcards):
+    """What the merge reads: the shards' files (or the jobs' or workers' records), and for a pooling
+    task the model record (its labels and embedding size type an output without rows).
+    """
+    model = {"model_record": MODEL_RECORD} if RUN.task != "generate" else {}
     if WORKERS:
         return {
             "workers": expand(
                 f"{SHARD_DIR}/workers/{{worker}}.json", worker=worker_ids()
-            )
+            ),
+            **model,
         }
     if PER_JOB > 1:
-        return {"jobs": expand(f"{SHARD_DIR}/job-{{job}}.json", job=list(job_shards()))}
+        return {
+            "jobs": expand(f"{SHARD_DIR}/job-{{job}}.json", job=list(job_shards())),
+            **model,
+        }
     ids = shard_ids()
     return {
         "parquet": expand(f"{SHARD_DIR}/{{shard}}.parquet", shard=ids),
         "stats": expand(f"{SHARD_DIR}/{{shard}}.stats.json", shard=ids),
+        **model,
     }
 
 

@@ -17,9 +17,11 @@ rule merge_shards:
     params:
         config=run_config,
         shard_dir=SHARD_DIR,
+        # read by a pooling task's merge, which has it among its inputs (all_shard_outputs)
+        model_record=MODEL_RECORD,
     shell:
         "shardgen merge --config {params.config:q} --manifest {input.manifest:q} --shard-dir {params.shard_dir:q}"
-        " --output {output.dataset:q} --stats {output.stats:q} > {log:q} 2>&1"
+        " --output {output.dataset:q} --stats {output.stats:q} --model-record {params.model_record:q} > {log:q} 2>&1"
 
 
 # Only when output.push_to_hub is set; the token comes from HF_TOKEN.

@@ -35,6 +35,8 @@ rule fetch_model:
         # fetched again when the model changes (which reruns every shard anyway)
         model=shardgen_config.digest(
             {k: RUN.model.get(k) for k in ("model", "revision", "tokenizer")}
+            # (only when set: the digest of runs without adapters stays as it was)
+            | ({"adapters": dict(RUN.lora.adapters)} if RUN.lora.adapters else {})
         ),
     shell:
         "shardgen fetch-model --config {params.config:q} --output {output.record:q} 2>&1 | tee {log:q}"

@@ -1,0 +1,127 @@
+"""The pooling tasks end to end on the real engine, through the workflow: a classifier (killed with
+kill -9 mid-shard, then resumed), a reward model, an embedding model (local profile), and a
+cross-encoder through the Slurm profile. Every row exactly once, each output column of its Arrow
+type and shape, the stats and the report consistent with the rows; and a classifier task on a
+model without a classification head stops in the preflight."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import MODEL, ROOT, make_rows, write_parquet
+from tests.integration.workflow import Background, part_rows, run_workflow, workflow_config
+
+pytestmark = pytest.mark.engine
+
+CLASSIFIER = ROOT / "models" / "classifier"
+REWARD = ROOT / "models" / "reward"
+
+
+def pooling_run(tmp_path, task: str, model, rows: int, **sections):
+    write_parquet(tmp_path / "data" / "in.parquet", make_rows(rows))
+    config = workflow_config(
+        {"parquet": [str(tmp_path / "data" / "in.parquet")], "id_column": "id"},
+        task=task,
+        prompt={"template": "A short note about {{ topic }}, number {{ n }}.", "chat": False},
+        **sections,
+    )
+    config.pop("sampling")
+    config["model"]["model"] = str(model)
+    return config
+
+
+def merged(tmp_path, rows: int) -> tuple[pa.Table, dict]:
+    table = pq.read_table(tmp_path / "results" / "output.parquet")
+    stats = json.loads((tmp_path / "results" / "stats.json").read_text())
+    assert table.column("id").to_pylist() == [f"r{i:05d}" for i in range(rows)], "every row exactly once, in order"
+    assert table.column("error").null_count == rows
+    assert "generation" not in table.column_names and "generated_tokens" not in table.column_names
+    assert stats["rows"] == rows and stats["errors"] == 0 and stats["generated_tokens"] == 0
+    assert stats["prompt_tokens"] == sum(table.column("prompt_tokens").to_pylist()) > 0
+    assert stats["attempt_requests"] == stats["rows_generated"], "one engine request per row generated now"
+    assert stats["prompt_tokens_per_s"] > 0 and stats["requests_per_s"] > 0 and stats["output_tokens_per_s"] is None
+    assert stats["latency_p50_s"] > 0 and stats["ttft_p50_s"] is None, "a pooled row has a latency, no first token"
+    assert stats["gpu_hours"] >= 0 and stats["provenance"]["task"] == stats["task"]
+    return table, stats
+
+
+def test_a_classifier_killed_mid_shard_resumes_and_gives_a_label_and_probabilities_per_row(tmp_path):
+    rows = 240
+    config = pooling_run(tmp_path, "classify", CLASSIFIER, rows, shards={"rows_per_shard": rows},
+                         checkpoint={"rows": 8, "seconds": 300})  # fmt: skip
+    config["model"]["max_num_seqs"] = 2
+    run = Background(tmp_path, config, "local", "--retries", "0")
+    ckpt = tmp_path / "results" / "checkpoints" / "00000"
+    run.wait_until(lambda: part_rows(ckpt) > 0, 300, "a checkpoint part")
+    job = next(
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "generate" in (p.info["cmdline"] or []) and any(a.endswith("shardgen") for a in p.info["cmdline"])
+    )
+    for p in [*job.children(recursive=True), job]:  # no warning, no save
+        p.kill()
+    saved = part_rows(ckpt)
+    assert 0 < saved < rows
+    with pytest.raises(AssertionError, match="snakemake failed"):
+        run.wait()
+    run_workflow(tmp_path, config, "local", "--retries", "0")  # the same command again
+
+    table, stats = merged(tmp_path, rows)
+    shard = json.loads((tmp_path / "results" / "shards" / "00000.stats.json").read_text())
+    assert shard["rows_resumed"] == saved and shard["attempt_requests"] == rows - saved, "finished rows not redone"
+    labels = ["negative", "neutral", "positive"]
+    assert table.schema.field("probs").type == pa.struct([(label, pa.float32()) for label in labels])
+    probs = table.column("probs").to_pylist()
+    assert all(math.isclose(sum(p.values()), 1.0, rel_tol=1e-5) for p in probs), "softmax probabilities"
+    assert table.column("label").to_pylist() == [max(p, key=p.get) for p in probs], "the most likely label"
+    assert stats["task"] == "classify"
+    totals = (tmp_path / "results" / "plots" / "totals.html").read_text()
+    assert "prompt tokens/s" in totals and "rows per GPU-hour" in totals and "output tokens/s" not in totals
+
+
+def test_an_embedding_model_gives_a_fixed_size_normalised_float32_vector_per_row(tmp_path):
+    rows = 30
+    run_workflow(tmp_path, pooling_run(tmp_path, "embed", MODEL, rows), "local")
+    table, stats = merged(tmp_path, rows)
+    hidden = json.loads((MODEL / "config.json").read_text())["hidden_size"]
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), hidden)
+    vectors = table.column("embedding").to_pylist()
+    assert all(math.isclose(math.fsum(x * x for x in v), 1.0, rel_tol=1e-4) for v in vectors), "L2-normalised"
+    assert vectors[0] != vectors[1] and stats["task"] == "embed" and stats["num_shards"] == 3
+
+
+def test_a_reward_model_gives_its_raw_score_per_row(tmp_path):
+    rows = 20
+    run_workflow(tmp_path, pooling_run(tmp_path, "reward", REWARD, rows), "local")
+    table, _ = merged(tmp_path, rows)
+    assert table.schema.field("reward").type == pa.float32()
+    rewards = table.column("reward").to_pylist()
+    assert len(set(rewards)) > 1 and any(r < 0 or r > 1 for r in rewards), "raw scores, not probabilities"
+
+
+@pytest.mark.slurm
+def test_a_cross_encoder_scores_each_pair_through_slurm(tmp_path, slurm_cluster):
+    rows = 20
+    config = pooling_run(tmp_path, "score", REWARD, rows)
+    config["prompt"] = {"template": "What is {{ topic }}?", "pair_template": "Item {{ n }} is about {{ topic }}.",
+                        "chat": False}  # fmt: skip
+    run_workflow(tmp_path, config, "slurm")
+    table, stats = merged(tmp_path, rows)
+    scores = table.column("score").to_pylist()
+    assert table.schema.field("score").type == pa.float32() and all(0 < s < 1 for s in scores), "sigmoid scores"
+    assert len(set(scores)) > 1 and stats["shards"][0]["slurm"]["job_id"]
+
+
+def test_classify_with_a_model_without_a_classification_head_stops_in_the_preflight(tmp_path):
+    config = pooling_run(tmp_path, "classify", MODEL, 10)
+    r = run_workflow(tmp_path, config, "local", check=False)
+    assert r.returncode != 0
+    log = (tmp_path / "results" / "logs" / "preflight.log").read_text()
+    assert "task: classify needs a model with a classification head" in log and str(MODEL) in log
+    assert not (tmp_path / "results" / "shards").exists() or not list((tmp_path / "results" / "shards").iterdir())
