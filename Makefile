@@ -53,12 +53,14 @@ format: setup
 test: setup slurm lint
 	$(RUN) pytest --require-markers=engine,slurm $(PYTEST_ARGS)
 
-# The benchmarks: raw vLLM against shardgen's generate path (throughput), and
-# the feed against LLM.chat where the feed bounds a job (feed); each writes
+# The benchmarks: raw vLLM against shardgen's generate path (throughput), the
+# feed against LLM.chat where the feed bounds a job (feed), and the pooling
+# tasks against LLM.classify/LLM.embed (pooling); each writes
 # bench/results/<name>.{json,md}.
 bench: setup
 	$(RUN) python bench/throughput.py
 	$(RUN) python bench/feed.py
+	$(RUN) python bench/pooling.py
 
 clean:
 	rm -rf results .snakemake

@@ -24,12 +24,13 @@ REWARD = ROOT / "models" / "reward"
 
 
 def pooling_run(tmp_path, task: str, model, rows: int, **sections):
+    """One shard of ``rows`` unless ``shards`` says otherwise (each shard starts an engine)."""
     write_parquet(tmp_path / "data" / "in.parquet", make_rows(rows))
     config = workflow_config(
         {"parquet": [str(tmp_path / "data" / "in.parquet")], "id_column": "id"},
         task=task,
         prompt={"template": "A short note about {{ topic }}, number {{ n }}.", "chat": False},
-        **sections,
+        **{"shards": {"rows_per_shard": rows}, **sections},
     )
     config.pop("sampling")
     config["model"]["model"] = str(model)
@@ -53,8 +54,7 @@ def merged(tmp_path, rows: int) -> tuple[pa.Table, dict]:
 
 def test_a_classifier_killed_mid_shard_resumes_and_gives_a_label_and_probabilities_per_row(tmp_path):
     rows = 240
-    config = pooling_run(tmp_path, "classify", CLASSIFIER, rows, shards={"rows_per_shard": rows},
-                         checkpoint={"rows": 8, "seconds": 300})  # fmt: skip
+    config = pooling_run(tmp_path, "classify", CLASSIFIER, rows, checkpoint={"rows": 8, "seconds": 300})
     config["model"]["max_num_seqs"] = 2
     run = Background(tmp_path, config, "local", "--retries", "0")
     ckpt = tmp_path / "results" / "checkpoints" / "00000"
@@ -87,13 +87,13 @@ def test_a_classifier_killed_mid_shard_resumes_and_gives_a_label_and_probabiliti
 
 def test_an_embedding_model_gives_a_fixed_size_normalised_float32_vector_per_row(tmp_path):
     rows = 30
-    run_workflow(tmp_path, pooling_run(tmp_path, "embed", MODEL, rows), "local")
+    run_workflow(tmp_path, pooling_run(tmp_path, "embed", MODEL, rows, shards={"rows_per_shard": 15}), "local")
     table, stats = merged(tmp_path, rows)
     hidden = json.loads((MODEL / "config.json").read_text())["hidden_size"]
     assert table.schema.field("embedding").type == pa.list_(pa.float32(), hidden)
     vectors = table.column("embedding").to_pylist()
     assert all(math.isclose(math.fsum(x * x for x in v), 1.0, rel_tol=1e-4) for v in vectors), "L2-normalised"
-    assert vectors[0] != vectors[1] and stats["task"] == "embed" and stats["num_shards"] == 3
+    assert vectors[0] != vectors[1] and stats["task"] == "embed" and stats["num_shards"] == 2
 
 
 def test_a_reward_model_gives_its_raw_score_per_row(tmp_path):
