@@ -12,7 +12,8 @@
 #    checks every row and each shard's GPUs, precision and engine settings:
 #      fp8         quantization auto, kv_cache_dtype auto: FP8 weights
 #                  (fp8_per_channel) and an FP8 KV cache
-#      tp2         the same on two GPUs (tensor_parallel_size 2), with 2+ GPUs
+#      tp3         the same on three GPUs (tensor_parallel_size 3: the demo model's 9 heads), with 3+ GPUs
+#      pp2         the same in two pipeline stages (pipeline_parallel_size 2), with 2+ GPUs
 #      nvfp4       an NVFP4 checkpoint (SHARDGEN_NVFP4_MODEL) on Blackwell
 #      invariant   seeded sampling with model.batch_invariant, at two shard
 #                  sizes: the same text for every row
@@ -125,14 +126,24 @@ sampling: {temperature: 0.0, max_tokens: 64}
 EOF
 run_case fp8 --profile "$ROOT/profiles/local"
 
-if [ "$GPUS" -ge 2 ]; then
-  make_config tp2 256 <<EOF
-$(model_lines auto auto "tensor_parallel_size: 2")
+# The demo model has 9 attention heads (tensor parallelism must divide them: 3, not 2) and 30 layers.
+if [ "$GPUS" -ge 3 ]; then
+  make_config tp3 256 <<EOF
+$(model_lines auto auto "tensor_parallel_size: 3")
 sampling: {temperature: 0.0, max_tokens: 64}
 EOF
-  run_case tp2 --profile "$ROOT/profiles/local"
+  run_case tp3 --profile "$ROOT/profiles/local"
 else
-  step "tp2: skipped, one GPU"
+  step "tp3: skipped, fewer than 3 GPUs"
+fi
+if [ "$GPUS" -ge 2 ]; then
+  make_config pp2 256 <<EOF
+$(model_lines auto auto "pipeline_parallel_size: 2")
+sampling: {temperature: 0.0, max_tokens: 64}
+EOF
+  run_case pp2 --profile "$ROOT/profiles/local"
+else
+  step "pp2: skipped, one GPU"
 fi
 
 if [ "${CAP%%.*}" -ge 10 ] && [ -n "${SHARDGEN_NVFP4_MODEL:-}" ]; then

@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 # What each case's shards must have run with (None: not checked).
 EXPECT = {
     "fp8": {"quantization": "fp8_per_channel", "kv_cache_dtype": "fp8", "gpus": 1},
-    "tp2": {"quantization": "fp8_per_channel", "kv_cache_dtype": "fp8", "gpus": 2},
+    "tp3": {"quantization": "fp8_per_channel", "kv_cache_dtype": "fp8", "gpus": 3},
+    "pp2": {"quantization": "fp8_per_channel", "kv_cache_dtype": "fp8", "gpus": 2},
     "nvfp4": {"quantization": None, "kv_cache_dtype": "fp8", "gpus": 1},
     "labels": {"quantization": "fp8_per_channel", "kv_cache_dtype": "fp8", "gpus": 1},
     "json": {"quantization": "fp8_per_channel", "kv_cache_dtype": "fp8", "gpus": 1},

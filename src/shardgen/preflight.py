@@ -111,6 +111,27 @@ def check_engine_values(model_cfg: Mapping[str, Any], hf_config: Mapping[str, An
     return problems
 
 
+def check_parallel_layout(model_cfg: Mapping[str, Any], hf_config: Mapping[str, Any]) -> list[str]:
+    """The parallel sizes against the model's shape, as vLLM checks them only once a job has its GPUs:
+    tensor parallelism splits the attention heads evenly (vllm/config/model.py:
+    ``ModelConfig.verify_with_parallel_config``), and each pipeline stage needs a layer
+    (vllm/distributed/utils.py: ``get_pp_indices`` gives a stage ``layers // stages`` of them)."""
+    text = hf_config.get("text_config") or {}
+    heads = text.get("num_attention_heads") or hf_config.get("num_attention_heads")
+    layers = text.get("num_hidden_layers") or hf_config.get("num_hidden_layers")
+    tp, pp = model_cfg.get("tensor_parallel_size") or 1, model_cfg.get("pipeline_parallel_size") or 1
+    problems = []
+    if isinstance(heads, int) and heads % tp:
+        fits = [n for n in range(1, min(heads, 16) + 1) if heads % n == 0]
+        problems.append(
+            f"model.tensor_parallel_size: {tp} does not divide the model's {heads} attention heads; vLLM refuses "
+            f"to start; use one of {fits}"
+        )
+    if isinstance(layers, int) and pp > layers:
+        problems.append(f"model.pipeline_parallel_size: {pp} stages for the model's {layers} layers; at most {layers}")
+    return problems
+
+
 def check_engine_keys(model_cfg: Mapping[str, Any]) -> list[str]:
     """``model.extra`` keys that are not ``vllm.LLM`` engine arguments."""
     extra = model_cfg.get("extra") or {}
@@ -248,6 +269,7 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     problems += check_precision(model_cfg, hf_config, build)
     problems += check_engine_keys(model_cfg)
     problems += check_engine_values(model_cfg, hf_config)
+    problems += check_parallel_layout(model_cfg, hf_config)
     if build == "cuda" and (missing := kernel_problem()):
         problems.append(missing)
     own = model_context_length(hf_config)

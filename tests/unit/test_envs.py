@@ -135,4 +135,4 @@ def test_the_first_gpu_run_script_parses_and_checks_every_case_it_runs():
     script = ROOT / "bench" / "gpu_smoke.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     cases = set(re.findall(r"^\s*run_case (\w+)", script.read_text(), re.M))
-    assert {"fp8", "tp2", "nvfp4", "labels", "json", "slurm"} <= cases
+    assert {"fp8", "tp3", "pp2", "nvfp4", "labels", "json", "slurm"} <= cases

@@ -400,3 +400,18 @@ def test_a_driver_too_old_for_the_cuda_build_is_named_with_the_cuda_version():
     assert check_driver(gpus("b200"), "13.0") == [], "580.105 runs CUDA 13"
     assert check_driver(gpus("h100"), "12.4") == [], "550 runs CUDA 12"
     assert check_driver(gpus("v100"), None) == [], "the CPU build's torch has no CUDA"
+
+
+def test_a_parallel_layout_the_model_cannot_split_is_refused_with_the_sizes_that_fit():
+    """vLLM checks these only once a job has its GPUs (ModelConfig.verify_with_parallel_config,
+    get_pp_indices); preflight checks them before any job."""
+    from shardgen.preflight import check_parallel_layout
+
+    llama = {"num_attention_heads": 32, "num_hidden_layers": 4}
+    (heads,) = check_parallel_layout({"tensor_parallel_size": 3}, llama)
+    assert "3 does not divide the model's 32 attention heads" in heads and "[1, 2, 4, 8, 16]" in heads
+    (stages,) = check_parallel_layout({"pipeline_parallel_size": 5}, llama)
+    assert "5 stages for the model's 4 layers" in stages
+    assert check_parallel_layout({"tensor_parallel_size": 8, "pipeline_parallel_size": 4}, llama) == []
+    vlm = {"text_config": {"num_attention_heads": 9, "num_hidden_layers": 30}}
+    assert check_parallel_layout({"tensor_parallel_size": 2}, vlm)[0].endswith("use one of [1, 3, 9]")
