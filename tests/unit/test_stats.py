@@ -87,3 +87,24 @@ def test_run_totals_add_up_shard_by_shard_with_stragglers_speculation_and_gpu_ho
     assert t["gpu_models"] == {"NVIDIA H100": 2, "NVIDIA B200": 1}
     assert t["num_shards"] == 3 and [s["shard"] for s in t["shards"]] == ["00000", "00001", "00002"]
     assert "histograms" not in t["shards"][1], "stats.json keeps a summary of each shard, not its histograms"
+
+
+def test_a_pooling_shard_has_rows_and_prompt_token_rates_and_no_output_token_figures():
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+
+    from shardgen.stats import AttemptCounters, shard_stats
+
+    table = pa.table({"row_index": [0, 1], "prompt_tokens": [5, 7], "label": ["a", "b"], "error": [None, None]})
+    counters = AttemptCounters(rows=2, requests=2, prompt_tokens=12)
+    counters.latency.add(0.2)
+    shard = SimpleNamespace(id="00000", start=0, stop=2, rows=2)
+    stats = shard_stats(shard, table, 0, counters, 1.0, 2.0, 3600.0, 1, task="classify")
+    assert stats["task"] == "classify" and stats["generated_tokens"] == 0
+    assert stats["output_tokens_per_s"] is None and stats["prompt_tokens_per_s"] == 6.0
+    total = merge_shard_stats([stats])
+    assert total["task"] == "classify" and total["output_tokens_per_gpu_hour"] is None
+    assert total["rows_per_gpu_hour"] == 2.0
+    text = summary_text(total)
+    assert "1.00 rows/s, 6.0 prompt tok/s" in text and "2 rows per GPU-hour" in text and "output tok" not in text
