@@ -253,6 +253,10 @@ def check_task(config: dict[str, Any]) -> None:
             if task == "score"
             else f"prompt.pair_template is for task: score, not task: {task}"
         )
+    pooling = config["pooling"]
+    for key, only in (("dimensions", "embed"), ("top_k", "classify")):
+        if pooling.get(key) is not None and task != only:
+            raise ConfigError(f"pooling.{key} is for task: {only}, not task: {task}")
     sampling = config.get("sampling") or {}
     if sampling.get("structured_outputs") or sampling.get("n", 1) > 1 or config["output"].get("choice_probs"):
         raise ConfigError(f"task: {task} generates no text: drop sampling and output.choice_probs")

@@ -129,13 +129,8 @@ def problems(task: str, head: Head, model_cfg: Mapping[str, Any], pooling: Mappi
                 f"task: {task} needs a model with one output (a reward model or cross-encoder); {name} has "
                 f"{len(head.labels)} labels {list(head.labels)[:8]}: use task: classify"
             )
-    if pooling.get("dimensions") is not None and task != "embed":
-        out.append(f"pooling.dimensions is for task: embed, not task: {task}")
-    if pooling.get("top_k") is not None:
-        if task != "classify":
-            out.append(f"pooling.top_k is for task: classify, not task: {task}")
-        elif pooling["top_k"] > len(head.labels):
-            out.append(f"pooling.top_k ({pooling['top_k']}) is more than the model's {len(head.labels)} labels")
+    if task == "classify" and (pooling.get("top_k") or 0) > len(head.labels):
+        out.append(f"pooling.top_k ({pooling['top_k']}) is more than the model's {len(head.labels)} labels")
     if task == "classify" and len(set(head.labels)) != len(head.labels):
         out.append(
             f"the model's id2label names a label twice ({list(head.labels)}): the probs columns need distinct names"

@@ -63,9 +63,8 @@ def test_reward_and_score_need_one_output(tmp_path):
         assert heads.problems(task, one, {"model": "m"}, {}) == []
 
 
-def test_options_of_another_task_and_a_top_k_above_the_labels_are_refused(tmp_path):
+def test_a_top_k_above_the_model_s_labels_is_refused(tmp_path):
     head = heads.Head.read(checkpoint(tmp_path, "LlamaForSequenceClassification", ["score.weight"], **LABELS))
-    assert "pooling.dimensions is for task: embed" in heads.problems("classify", head, {}, {"dimensions": 4})[0]
     assert "more than the model's 3 labels" in heads.problems("classify", head, {}, {"top_k": 4})[0]
     assert heads.problems("classify", head, {}, {"top_k": 2}) == []
 
@@ -148,6 +147,8 @@ def test_a_pooling_task_runs_the_pooling_runner_and_its_columns_are_reserved():
         (pooling_config(prompt={"template": "{{ a }}", "pair_template": "{{ b }}", "chat": False}),
          "prompt.pair_template is for task: score"),
         (pooling_config(sampling={"n": 2}), "task: classify generates no text"),
+        (pooling_config(pooling={"dimensions": 4}), "pooling.dimensions is for task: embed, not task: classify"),
+        (pooling_config(task="embed", pooling={"top_k": 2}), "pooling.top_k is for task: classify"),
         (pooling_config(task="score", prompt={"template": "{{ a }}", "pair_template": "{{ b }}"}),
          "prompt.pair_template makes text pairs"),
     ],
