@@ -129,6 +129,13 @@ def problems(task: str, head: Head, model_cfg: Mapping[str, Any], pooling: Mappi
                 f"task: {task} needs a model with one output (a reward model or cross-encoder); {name} has "
                 f"{len(head.labels)} labels {list(head.labels)[:8]}: use task: classify"
             )
+    if task == "embed" and _is_classifier(head):
+        # vLLM runs such a checkpoint as a classifier (its pooler has no embed task), so every row would
+        # be refused; convert="embed" on it picks the Transformers backend instead (docs/dev/vllm-pooling.md)
+        out.append(
+            f"task: embed on {name}, a classifier ({list(head.architectures)}): vLLM serves it only as one; "
+            "use task: classify, or embed with the base model it was trained from"
+        )
     if task == "classify" and (pooling.get("top_k") or 0) > len(head.labels):
         out.append(f"pooling.top_k ({pooling['top_k']}) is more than the model's {len(head.labels)} labels")
     if task == "classify" and len(set(head.labels)) != len(head.labels):

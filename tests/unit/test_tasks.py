@@ -63,6 +63,12 @@ def test_reward_and_score_need_one_output(tmp_path):
         assert heads.problems(task, one, {"model": "m"}, {}) == []
 
 
+def test_embed_on_a_classifier_checkpoint_is_refused(tmp_path):
+    head = heads.Head.read(checkpoint(tmp_path, "LlamaForSequenceClassification", ["score.weight"], **LABELS))
+    (problem,) = heads.problems("embed", head, {"model": "clf"}, {})
+    assert problem.startswith("task: embed on clf, a classifier")
+
+
 def test_a_top_k_above_the_model_s_labels_is_refused(tmp_path):
     head = heads.Head.read(checkpoint(tmp_path, "LlamaForSequenceClassification", ["score.weight"], **LABELS))
     assert "more than the model's 3 labels" in heads.problems("classify", head, {}, {"top_k": 4})[0]
