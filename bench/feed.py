@@ -33,9 +33,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
-import os
-import platform
 import pstats
 import statistics
 import sys
@@ -50,6 +47,8 @@ import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from common import machine, write_results  # noqa: E402
 
 from shardgen.config import RunConfig  # noqa: E402
 from shardgen.engine import Engine, EngineSettings, clear_thread_env  # noqa: E402
@@ -268,13 +267,10 @@ def main() -> None:
         "max_num_seqs": results,
         "profile_top": profile,
         "vllm": vllm_version(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, vLLM's CPU build",
+        "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "feed.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "feed.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(args.out, "feed", result, markdown(result))
 
 
 def markdown(r: dict) -> str:

@@ -19,9 +19,6 @@ Usage: python bench/pooling.py [--size smoke|full] [--rows N] [--out DIR]
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -33,6 +30,8 @@ import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from common import machine, write_results  # noqa: E402
 
 from shardgen.config import RunConfig  # noqa: E402
 from shardgen.engine import Engine, EngineSettings, clear_thread_env  # noqa: E402
@@ -139,13 +138,10 @@ def main() -> None:
         "repeats": repeats,
         "tasks": tasks,
         "vllm": vllm_version(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, vLLM's CPU build",
+        "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pooling.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "pooling.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(args.out, "pooling", result, markdown(result))
 
 
 def markdown(r: dict) -> str:

@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -43,6 +40,8 @@ import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from common import machine, write_results  # noqa: E402
 
 from shardgen import config as cfg  # noqa: E402
 from shardgen.engine import Engine, EngineSettings, clear_thread_env, make_sampling_params  # noqa: E402
@@ -237,13 +236,10 @@ def main() -> None:
         "order_kv_cache_mib": args.order_kv_cache_mib,
         **results,
         "vllm": vllm_version(),
-        "machine": _machine(),
+        "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "throughput.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "throughput.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(args.out, "throughput", result, markdown(result))
 
 
 def markdown(r: dict) -> str:
@@ -280,15 +276,6 @@ def markdown(r: dict) -> str:
         f"| **speed-up** | **{o['speedup']:.3f}** | | |\n\n"
         f"Same text in both orders: {o['same_text']}.\n"
     )
-
-
-def _machine() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return f"GPU: {torch.cuda.get_device_name(0)}"
-    isa = torch.backends.cpu.get_cpu_capability()
-    return f"CPU: {platform.machine()} ({isa}), {os.cpu_count()} cores, vLLM's CPU build"
 
 
 if __name__ == "__main__":
