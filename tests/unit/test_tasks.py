@@ -293,3 +293,23 @@ def test_the_keys_of_these_tasks_at_their_defaults_leave_earlier_runs_fingerprin
     assert "task" not in content and "pooling" not in content and "lora" not in content
     with_images = cfg.validate({**minimal(), "prompt": {"template": "{{ text }}", "images": ["photo"]}})
     assert cfg.content_fingerprint(with_images) != cfg.content_fingerprint(cfg.validate(minimal()))
+
+
+def test_a_datasets_image_column_saved_to_disk_reaches_the_feed_as_cells_that_decode(tmp_path):
+    """``input.disk`` with a ``datasets`` Image feature: the shard's rows carry ``{bytes, path}`` cells
+    (how Arrow stores the feature), and each decodes to the image that was saved."""
+    import datasets
+    from PIL import Image
+
+    from shardgen.images import row_images
+    from shardgen.plan import Manifest, build_manifest
+    from tests.conftest import base_config
+
+    colors = [(255, 0, 0), (0, 0, 255), (0, 128, 0)]
+    ds = datasets.Dataset.from_dict({"id": ["a", "b", "c"], "photo": [Image.new("RGB", (6, 4), c) for c in colors]})
+    ds.cast_column("photo", datasets.Image()).save_to_disk(tmp_path / "ds")
+    config = base_config({"disk": str(tmp_path / "ds")}, prompt={"template": "Describe it.", "images": ["photo"]})
+    manifest = Manifest(build_manifest(config))
+    rows = [r for b in manifest.source().read(manifest.shard("00000").segments) for r in b.to_pylist()]
+    assert set(rows[0]["photo"]) == {"bytes", "path"}
+    assert [row_images(("photo",), r)[0].getpixel((0, 0)) for r in rows] == colors
