@@ -110,6 +110,22 @@ def test_a_template_failing_on_most_rows_fails_before_any_job(tmp_path, capsys, 
     assert "null_value 20 (first: row 0: null_value: column 'topic' is null)" in err
 
 
+def test_images_that_do_not_decode_in_most_sampled_rows_fail_before_any_job(tmp_path, capsys, model_dir):
+    import io
+
+    from PIL import Image
+
+    from tests.conftest import ROOT
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="PNG")
+    rows = [{**r, "photo": buf.getvalue() if i % 5 == 0 else b"junk"} for i, r in enumerate(make_rows(20))]
+    rc, err = preflight(tmp_path, capsys, rows, prompt={"template": "Describe {{ topic }}.", "images": ["photo"]},
+                        model={"model": str(ROOT / "models" / "vlm")})  # fmt: skip
+    assert rc == 2 and "16 of 20 sampled rows would be errors" in err
+    assert "bad_image 16 (first: row 1: bad_image: column 'photo': 4 bytes is not an image" in err
+
+
 def test_a_few_overlong_prompts_are_a_warning_with_their_count(tmp_path, capsys, model_dir):
     rows = make_rows(40)
     rows[5]["topic"] = "long " * 1200  # beyond max_model_len 1024
