@@ -238,10 +238,10 @@ def check_task(config: dict[str, Any]) -> None:
     if task == "generate":
         if model.get("runner") == "pooling":
             raise ConfigError("model.runner is pooling, but task is generate: set task (classify, embed, ...)")
-        for key in ("pooling", "prompt.pair_template"):
-            section, _, name = key.partition(".")
-            given = config.get(section) if not name else config[section].get(name)
-            if given and any(v is not None for v in (given.values() if isinstance(given, dict) else [given])):
+        pooling_keys = (("pooling", any(v is not None for v in config["pooling"].values())),
+                        ("prompt.pair_template", prompt.get("pair_template") is not None))  # fmt: skip
+        for key, given in pooling_keys:
+            if given:
                 raise ConfigError(f"{key} is set, but task is generate: it is for the pooling tasks (task: ...)")
         return
     if model.get("runner") == "generate":

@@ -417,11 +417,12 @@ class Tokenizer:
         """Token ids of texts; a chat text already holds its template's special tokens (as
         ``apply_chat_template(tokenize=True)`` tokenizes it), a raw prompt or a pair gets the tokenizer's."""
         out: list[list[int]] = [[] for _ in texts]
-        pairs = [i for i, t in enumerate(texts) if isinstance(t, tuple)]
+        pairs = {i for i, t in enumerate(texts) if isinstance(t, tuple)}
         if pairs:
-            firsts, seconds = zip(*(texts[i] for i in pairs), strict=True)
+            order = sorted(pairs)
+            firsts, seconds = zip(*(texts[i] for i in order), strict=True)
             encoded = self.hf(list(firsts), list(seconds), add_special_tokens=True)["input_ids"]
-            for i, ids in zip(pairs, encoded, strict=True):
+            for i, ids in zip(order, encoded, strict=True):
                 out[i] = list(ids)
         for special in (False, True):
             idx = [i for i, c in enumerate(chat) if c != special and i not in pairs]
