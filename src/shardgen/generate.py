@@ -17,6 +17,7 @@ A job that stops for a signal raises ``Interrupted`` (the command exits with
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -329,7 +330,10 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
     os.environ.update(settings.environment)  # before vLLM starts its processes, which inherit it
     t0 = time.time()
     try:
-        llm = engine.start(settings)
+        with stop.raising(job.shard.id):
+            llm = engine.start(settings)
+    except Interrupted:
+        raise
     except Exception as e:
         if stop.caused(e):  # Slurm's SIGTERM reaches the engine's processes too, and fails the start
             raise Interrupted(stop.signal, job.shard.id) from e
@@ -524,6 +528,7 @@ class _StopFlag:
     def __init__(self) -> None:
         self.signal: int | None = None
         self._previous: dict[int, Any] = {}
+        self._raise_for: str | None = None  # the shard whose engine is starting
 
     def __call__(self) -> bool:
         return self.signal is not None
@@ -532,6 +537,27 @@ class _StopFlag:
         if self.signal is None:
             log.warning("received %s: stopping after saving finished rows", signal.Signals(signum).name)
         self.signal = signum
+        if self._raise_for is not None:
+            shard_id, self._raise_for = self._raise_for, None
+            raise Interrupted(signum, shard_id)
+
+    @contextlib.contextmanager
+    def raising(self, shard_id: str) -> Iterator[None]:
+        """Within: a signal raises ``Interrupted`` at once, and one that came before stops here.
+
+        For the engine's start (minutes on a GPU): Slurm sends SIGKILL KillWait seconds (30 by
+        default) after its SIGTERM, and a start that ran on until the feed loop polls the flag
+        would be killed with the attempt unrecorded. vLLM's client shuts the engine's processes
+        down when its constructor raises (``MPClient.__init__``, ``vllm/v1/engine/core_client.py``),
+        as for a Ctrl-C during the start.
+        """
+        if self.signal is not None:
+            raise Interrupted(self.signal, shard_id)
+        self._raise_for = shard_id
+        try:
+            yield
+        finally:
+            self._raise_for = None
 
     def __enter__(self) -> _StopFlag:
         for s in self.SIGNALS:

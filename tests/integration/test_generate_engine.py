@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -350,3 +351,59 @@ def test_a_job_on_gpus_it_cannot_use_stops_before_the_model_loads(tmp_path, mode
         run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json")
     log = (tmp_path / "out" / "checkpoints" / "00000" / "attempts.jsonl").read_text().splitlines()
     assert [json.loads(line).get("outcome") for line in log] == [None, "wrong_gpus"]
+
+
+def test_a_signal_during_the_engine_start_abandons_the_start_and_records_the_attempt(tmp_path, model_dir, monkeypatch):
+    """Slurm kills a job KillWait seconds (30 by default) after its SIGTERM, and a model's start takes
+    minutes on a GPU: the start is abandoned at the signal, vLLM's client stops the processes it
+    spawned, and the attempt ends recorded as interrupted (found by CI: a scancel during the start
+    let the start run on, and the SIGKILL left the attempt with no end)."""
+    import threading
+
+    import psutil
+
+    config, manifest = plan(tmp_path, make_rows(4))
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    real_start = Engine.start
+    handles = []
+
+    def signal_once_the_engine_core_runs():
+        while not [p for p in psutil.Process().children(recursive=True) if p.pid not in before]:
+            time.sleep(0.1)
+        time.sleep(1.0)  # vLLM's client is waiting for the engine core to load the model
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def start_then_signal(self, settings):
+        handles.append(self)
+        threading.Thread(target=signal_once_the_engine_core_runs, daemon=True).start()
+        return real_start(self, settings)
+
+    monkeypatch.setattr(Engine, "start", start_then_signal)
+    with pytest.raises(Interrupted, match="stopped by SIGTERM"):
+        run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json")
+    assert handles and handles[0].starts == 0 and handles[0].llm is None, "the start was abandoned"
+    log = (tmp_path / "out" / "checkpoints" / "00000" / "attempts.jsonl").read_text().splitlines()
+    assert [json.loads(line).get("outcome") for line in log] == [None, "interrupted"]
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(new, 30)
+    alive = [" ".join(p.cmdline()) for p in alive]
+    # multiprocessing's resource tracker stays until this process ends, as after any spawn
+    assert not [c for c in alive if "resource_tracker" not in c], f"processes outlived the abandoned start: {alive}"
+
+
+def test_a_signal_before_the_engine_start_stops_the_job_without_starting_it(tmp_path, model_dir, monkeypatch):
+    from shardgen.engine import EngineSettings
+
+    config, manifest = plan(tmp_path, make_rows(4))
+    real_for_job = EngineSettings.for_job.__func__
+
+    def for_job_then_signal(cls, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives after the attempt's start record, before the engine
+        return real_for_job(cls, *args, **kwargs)
+
+    monkeypatch.setattr(EngineSettings, "for_job", classmethod(for_job_then_signal))
+    monkeypatch.setattr(Engine, "start", lambda self, settings: pytest.fail("the engine was started"))
+    with pytest.raises(Interrupted, match="stopped by SIGTERM"):
+        run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json")
+    log = (tmp_path / "out" / "checkpoints" / "00000" / "attempts.jsonl").read_text().splitlines()
+    assert [json.loads(line).get("outcome") for line in log] == [None, "interrupted"]
