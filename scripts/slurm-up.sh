@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Start a one-node Slurm cluster on this machine for the tests, advertising
-# fake GPUs so that GPU requests from profiles/slurm are really scheduled.
+# Start a Slurm cluster on this machine for the tests, advertising fake GPUs
+# so that GPU requests from profiles/slurm are really scheduled: the node
+# named after the host (partition debug, the default), and two more slurmd
+# daemons on their own ports posing as two nodes of partition twonodes, for
+# jobs over several nodes (resources.nodes).
 # Idempotent: a second run with the daemons up only waits for the node.
 # Needs root (apt-get, /etc/slurm, /run). Not for real clusters.
 set -euo pipefail
@@ -28,7 +31,7 @@ fi
 # Fake GPU devices: character devices (same as /dev/null), which gres.conf
 # accepts; regular files are refused.
 mkdir -p /run/fakegpu
-for i in $(seq 0 $((NGPUS - 1))); do
+for i in $(seq 0 $((NGPUS + 1))); do
   [ -e /run/fakegpu/gpu$i ] || mknod /run/fakegpu/gpu$i c 1 3
 done
 
@@ -54,17 +57,23 @@ MinJobAge=900
 MaxJobCount=20000
 KillWait=30
 StateSaveLocation=/var/spool/slurmctld
-SlurmdSpoolDir=/var/spool/slurmd
+SlurmdSpoolDir=/var/spool/slurmd/%n
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
-SlurmdLogFile=/var/log/slurm/slurmd.log
+SlurmdLogFile=/var/log/slurm/slurmd-%n.log
 SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
+SlurmdPidFile=/run/slurmd-%n.pid
 ReturnToService=2
 NodeName=${host} CPUs=${cpus} RealMemory=${mem_mb} Gres=gpu:${NGPUS} State=UNKNOWN
+NodeName=${host}-n0 NodeHostname=${host} NodeAddr=127.0.0.1 Port=6831 CPUs=${cpus} RealMemory=$((mem_mb / 2)) Gres=gpu:1 State=UNKNOWN
+NodeName=${host}-n1 NodeHostname=${host} NodeAddr=127.0.0.1 Port=6832 CPUs=${cpus} RealMemory=$((mem_mb / 2)) Gres=gpu:1 State=UNKNOWN
 PartitionName=debug Nodes=${host} Default=YES MaxTime=INFINITE State=UP
+PartitionName=twonodes Nodes=${host}-n0,${host}-n1 MaxTime=INFINITE State=UP
 CONF
 )
-gres="NodeName=${host} Name=gpu File=/run/fakegpu/gpu[0-$((NGPUS - 1))]"
+gres="NodeName=${host} Name=gpu File=/run/fakegpu/gpu[0-$((NGPUS - 1))]
+NodeName=${host}-n0 Name=gpu File=/run/fakegpu/gpu${NGPUS}
+NodeName=${host}-n1 Name=gpu File=/run/fakegpu/gpu$((NGPUS + 1))"
+nodes="${host} ${host}-n0 ${host}-n1"
 changed=0
 if [ "$(cat /etc/slurm/slurm.conf 2>/dev/null)" != "$conf" ]; then
   echo "$conf" >/etc/slurm/slurm.conf; changed=1
@@ -79,16 +88,22 @@ if [ $changed = 1 ]; then
   for _ in $(seq 30); do pgrep -x 'slurmctld|slurmd' >/dev/null || break; sleep 1; done
 fi
 pgrep -x slurmctld >/dev/null || slurmctld
-pgrep -x slurmd >/dev/null || slurmd
-
-for _ in $(seq 60); do
-  state=$(sinfo -h -n "$host" -o %t 2>/dev/null || true)
-  case "$state" in
-    idle|mix|alloc) echo "slurm: node $host $state, ${cpus} CPUs, ${mem_mb} MiB, ${NGPUS} GPUs"; exit 0 ;;
-    down*|drain*) scontrol update nodename="$host" state=resume 2>/dev/null || true ;;
-  esac
-  sleep 1
+for node in $nodes; do
+  mkdir -p "/var/spool/slurmd/$node"
+  pgrep -f "^slurmd -N $node\$" >/dev/null || slurmd -N "$node"
 done
-echo "slurm: node $host did not become idle (state: ${state:-none})" >&2
-tail -20 /var/log/slurm/slurmctld.log /var/log/slurm/slurmd.log >&2 || true
-exit 1
+
+for node in $nodes; do
+  for _ in $(seq 60); do
+    state=$(sinfo -h -n "$node" -o %t 2>/dev/null | head -1 || true)
+    case "$state" in
+      idle|mix|alloc) echo "slurm: node $node $state"; continue 2 ;;
+      down*|drain*) scontrol update nodename="$node" state=resume 2>/dev/null || true ;;
+    esac
+    sleep 1
+  done
+  echo "slurm: node $node did not become idle (state: ${state:-none})" >&2
+  tail -20 /var/log/slurm/slurmctld.log "/var/log/slurm/slurmd-$node.log" >&2 || true
+  exit 1
+done
+echo "slurm: node $host: ${cpus} CPUs, ${mem_mb} MiB, ${NGPUS} GPUs (partition debug); $host-n0 and $host-n1 (partition twonodes)"

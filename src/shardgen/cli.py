@@ -54,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     push.add_argument("--record", required=True, help="where to write what was pushed (JSON)")
 
     sub.add_parser("engine-version", help="print the installed vLLM's version (without importing it)")
+    sub.add_parser(
+        "engine-worker",
+        help="internal: a job's other node joining its engine (resources.nodes > 1; started by the first node)",
+    )
 
     status = sub.add_parser("status", help="where a run stands: rows, rate, ETA, shards by state, errors")
     where = status.add_mutually_exclusive_group()
@@ -84,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
 # The Hugging Face token reaches every Slurm job (the executor plugin exports the whole environment),
 # but only fetch-model and push may use it: the commands that run model code drop it first.
 TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
-_NO_TOKEN_COMMANDS = ("generate", "preflight")
+_NO_TOKEN_COMMANDS = ("generate", "preflight", "engine-worker")
 
 
 def _load(path: str) -> cfg.RunConfig:
@@ -146,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
 
             out_dir = args.dir or cfg.RunConfig.load(args.configfile or "config/config.yaml").output.dir
             return main_status(out_dir, args.window, args.all)
+        if args.command == "engine-worker":
+            from shardgen.engine import clear_thread_env
+            from shardgen.multinode import main_worker
+
+            clear_thread_env()  # as the head does before vLLM is imported
+            return main_worker()
         if args.command == "engine-version":
             print(cfg.engine_version())
             return 0

@@ -78,7 +78,7 @@ class Node:
 class Request:
     """One generate job, as the workflow will submit it."""
 
-    gpus: int
+    gpus: int  # on each node
     cpus: int
     mem_mb: int
     runtime_min: float
@@ -86,10 +86,12 @@ class Request:
     gpu_model: str | None = None
     constraint: str | None = None
     rule: str = "generate_shard"
+    nodes: int = 1
 
     def describe(self) -> str:
         gpu = f"{self.gpus} GPU(s)" + (f" of type {self.gpu_model}" if self.gpu_model else "")
-        return f"{gpu}, {self.cpus} CPUs, {self.mem_mb} MB memory, {self.runtime_min:g} min"
+        each = f"{self.nodes} nodes, each with " if self.nodes > 1 else ""
+        return f"{each}{gpu}, {self.cpus} CPUs, {self.mem_mb} MB memory, {self.runtime_min:g} min"
 
 
 def parse_gres(text: str) -> dict[str, int]:
@@ -199,8 +201,16 @@ def check_request(nodes: list[Node], req: Request, default: str | None = None) -
             f"{req.rule}: {where} has no nodes (sinfo lists the partitions {', '.join(known) or 'none'}); "
             "set slurm_partition in the profile's default-resources"
         )
-    if any(not _fits(n, req) for n in candidates):
+    fitting = [n.name for n in candidates if not _fits(n, req)]
+    if len(set(fitting)) >= req.nodes:
         return
+    if fitting:
+        raise Unsatisfiable(
+            f"{req.rule}: a generate job asks for {req.describe()} (resources.nodes), but only "
+            f"{len(set(fitting))} node(s) of {where} can give that ({', '.join(sorted(set(fitting)))}); Slurm "
+            "would leave it pending for ever (reason PartitionConfig). Lower resources.nodes with "
+            "model.pipeline_parallel_size, or choose a partition with more such nodes"
+        )
     kinds: dict[tuple, list[str]] = {}
     for n in candidates:
         gres = ",".join(f"{k + ':' if k else ''}{v}" for k, v in sorted(n.gpus.items())) or "none"
@@ -320,6 +330,14 @@ def _run(argv: list[str]) -> str:
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
 
 
+def multinode_options(run_config, gpu_model: str | None) -> list[str]:
+    """sbatch options of a generate job over ``resources.nodes`` nodes, beside the plugin's own
+    ``--nodes`` and ``--gpus`` (the job's total): the same GPUs on every node (Slurm would otherwise
+    spread the total as it likes) and one task per node, which the engine's workers run in."""
+    gpus = f"{gpu_model}:{run_config.gpus_per_node}" if gpu_model else str(run_config.gpus_per_node)
+    return [f"--gpus-per-node={gpus}", "--ntasks-per-node=1"]
+
+
 def generate_request(run_config, resource_settings, rule: str, runtime_min: float) -> Request:
     """The request of the run's generate jobs: the rule's own resources (from the run config), with
     what the profile sets (``default-resources``, and ``set-resources`` for ``rule``) over them."""
@@ -343,7 +361,8 @@ def generate_request(run_config, resource_settings, rule: str, runtime_min: floa
             return float(own)
 
     return Request(
-        gpus=run_config.model.gpus,
+        gpus=run_config.gpus_per_node,
+        nodes=run_config.resources.nodes,
         cpus=int(number("cpus_per_task", run_config.cpus_per_job)),
         mem_mb=int(number("mem_mb", run_config.resources.mem_mb)),
         runtime_min=number("runtime", runtime_min),

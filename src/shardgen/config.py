@@ -152,6 +152,15 @@ def check_consistency(config: dict[str, Any]) -> None:
         raise ConfigError(
             f"sampling.min_tokens ({sampling['min_tokens']}) is larger than sampling.max_tokens ({max_tokens})"
         )
+    nodes = config["resources"]["nodes"]
+    pp = model.get("pipeline_parallel_size") or 1
+    if pp % nodes:
+        raise ConfigError(
+            f"resources.nodes ({nodes}) must divide model.pipeline_parallel_size ({pp}): tensor parallelism "
+            "stays inside a node and the pipeline stages are split across the nodes; for a model across "
+            f"{nodes} nodes set model.pipeline_parallel_size to {nodes} (or a multiple) and "
+            "model.tensor_parallel_size to the GPUs of one node"
+        )
     shards = config.get("shards", {})
     if shards.get("workers") and shards.get("per_job", 1) > 1:
         raise ConfigError(
@@ -440,6 +449,7 @@ class OutputConfig:
 class ResourcesConfig:
     mem_mb: int = 32000
     cpus_per_task: int | None = None
+    nodes: int = 1
     runtime: int = 240
 
 
@@ -617,7 +627,12 @@ class RunConfig:
         vllm/v1/executor/multiproc_executor.py), and the fast tokenizer has
         threads of its own; 8 was the default for one GPU before.
         """
-        return self.resources.cpus_per_task or max(8, 4 + 2 * self.model.gpus)
+        return self.resources.cpus_per_task or max(8, 4 + 2 * self.gpus_per_node)
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs a generate job asks for on each of its ``resources.nodes`` nodes."""
+        return self.model.gpus // self.resources.nodes
 
     @functools.cached_property
     def fingerprint(self) -> str:

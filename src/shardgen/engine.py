@@ -128,6 +128,7 @@ class EngineSettings:
             for these GPUs, for the record of a failure where the config set none.
         environment: variables the job sets before the engine starts.
         notes: warnings for the job's log.
+        nodes: the nodes the engine spans (``resources.nodes``; ``multinode``).
     """
 
     model: dict[str, Any]
@@ -138,6 +139,11 @@ class EngineSettings:
     memory_defaults: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    nodes: int = 1
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.model["tensor_parallel_size"] * self.model["pipeline_parallel_size"] // self.nodes
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -177,7 +183,7 @@ class EngineSettings:
         settings.update(quantization=precision["quantization"], kv_cache_dtype=precision["kv_cache_dtype"])
         problems = gpus.check_gpus(
             devices,
-            model.gpus,
+            config.gpus_per_node,
             settings["quantization"] or checkpoint,
             settings["kv_cache_dtype"],
             build,
@@ -203,6 +209,17 @@ class EngineSettings:
                 "sampling.seed on vLLM's CPU build: chunked prefill is off (PyTorch's CPU generator cannot rewind "
                 "the sample of a partly prefilled prompt, and the engine would fail)"
             )
+        if build == "cpu" and settings.get("pipeline_parallel_size", 1) > 1 and settings.get("enforce_eager"):
+            # one dynamo trace run eagerly (CompilationMode.DYNAMO_TRACE_ONCE, torch's "eager" backend): what
+            # enforce_eager runs, plus the warm-up
+            settings.update(enforce_eager=False, compilation_config={"mode": 2, "backend": "eager"})
+            notes.append(
+                "model.pipeline_parallel_size > 1 with enforce_eager on vLLM's CPU build: compilation mode "
+                "DYNAMO_TRACE_ONCE with torch's eager backend instead. Eager, the CPU worker skips the warm-up run "
+                "that allocates a later stage's buffer for the previous stage's activations "
+                "(v1/worker/cpu_model_runner.py, warming_up_model; gpu_model_runner.py, _dummy_run), and that "
+                "stage fails its first step (assert self.intermediate_tensors is not None)"
+            )
         environment = {**PROCESS_ENV, "VLLM_CACHE_ROOT": cache_root(jobinfo.host())}
         if model.get("batch_invariant"):
             # batch-invariant kernels: a row's text does not depend on the rows batched with it
@@ -222,6 +239,7 @@ class EngineSettings:
             memory_defaults=memory.vllm_defaults(devices, model.gpus),
             environment=environment,
             notes=notes,
+            nodes=config.resources.nodes,
         )
 
 
@@ -242,6 +260,7 @@ class Engine:
         self._owned = llm is None
         self._kwargs: dict[str, Any] | None = None
         self.starts = 0  # engines this handle started
+        self._workers: Any = None  # multinode.Workers of an engine over several nodes
 
     @property
     def running(self) -> bool:
@@ -256,10 +275,51 @@ class Engine:
         if self.llm is None:
             from vllm import LLM
 
-            self.llm = LLM(**settings.kwargs)
+            kwargs = settings.kwargs
+            if settings.nodes > 1:
+                from shardgen import multinode
+
+                kwargs, self._workers = multinode.launch(
+                    kwargs, settings.nodes, settings.gpus_per_node, self._workers_gone
+                )
+            try:
+                self.llm = LLM(**kwargs)
+            except BaseException:
+                self._stop_workers()
+                raise
             self._kwargs = settings.kwargs
             self.starts += 1
         return self.llm
+
+    @property
+    def worker_gpus(self) -> dict[str, list[dict[str, Any]]]:
+        """The GPUs of the engine's other nodes, by node (empty on one node)."""
+        return dict(self._workers.gpus) if self._workers is not None else {}
+
+    @property
+    def workers_lost(self) -> str | None:
+        """Why the engine's workers on other nodes ended while it ran; None while they run (or on one node)."""
+        return self._workers.lost if self._workers is not None else None
+
+    def _workers_gone(self) -> None:
+        """The engine's workers on other nodes ended while it ran: fail it now, not at vLLM's RPC timeout."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        from shardgen import multinode
+
+        multinode.stop_engine_core()
+        # vLLM 0.32's offline client waits on its output queue for ever once its engine core died
+        # without a word: its monitor shuts the client down, and the output thread then ends without
+        # putting anything in the queue (v1/engine/core_client.py, SyncMPClient.get_output and
+        # process_outputs_socket; BackgroundResources.__call__). Put the engine's death there.
+        client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        outputs = getattr(client, "outputs_queue", None)
+        if outputs is not None:
+            outputs.put_nowait(EngineDeadError("the engine's workers on another node ended"))
+
+    def _stop_workers(self) -> None:
+        if self._workers is not None:
+            self._workers.stop()
 
     def close(self) -> None:
         """Stop the engine's processes now, if this handle started them.
@@ -270,6 +330,7 @@ class Engine:
         if self.llm is not None and self._owned:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+            self._stop_workers()
 
     def tokenizer(self, generates: bool = True) -> Tokenizer:
         return Tokenizer(self.llm.get_tokenizer(), self.llm.llm_engine.model_config.max_model_len, generates)

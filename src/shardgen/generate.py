@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen import heads, jobinfo, memory
+from shardgen import heads, jobinfo, memory, multinode
 from shardgen.config import RunConfig, content_config, digest, warnings
 from shardgen.engine import Engine, EngineSettings, clear_thread_env, engine_kwargs
 from shardgen.errors import ShardgenError
@@ -39,6 +39,7 @@ from shardgen.feed import ErrorBudget, RowInputs, ShardFeed, TooManyErrors
 from shardgen.installed import vllm_version
 from shardgen.io import atomic_write_text
 from shardgen.lora import Adapters
+from shardgen.multinode import NotMultiNode, WorkersLost
 from shardgen.outputs import FINGERPRINT_KEY, ShardCheckpoint
 from shardgen.plan import Manifest, Shard
 from shardgen.prompts import PromptRenderer
@@ -244,6 +245,9 @@ class ShardJob:
             },
             peak_rss_mib=jobinfo.peak_rss_mib(),
             host=self.attempt["host"],
+            nodes=self.config.resources.nodes,  # the engine's; gpus and gpu_hours count all of theirs
+            node_names=multinode.job_nodes() or [self.attempt["host"]],
+            node_gpus={multinode.node_name(): settings.gpus, **run.worker_gpus} if run.worker_gpus else None,
             slurm=slurm,
             queue_wait_seconds=slurm.get("queue_wait_seconds"),
             cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -263,6 +267,7 @@ class AttemptRun:
     generation_seconds: float = 0.0
     engine_delta: dict[str, float] = field(default_factory=dict)
     feed: dict[str, Any] = field(default_factory=dict)
+    worker_gpus: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # the engine's other nodes'
 
 
 # -- The job: the four phases -------------------------------------------------------------------------
@@ -337,6 +342,8 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
     except Exception as e:
         if stop.caused(e):  # Slurm's SIGTERM reaches the engine's processes too, and fails the start
             raise Interrupted(stop.signal, job.shard.id) from e
+        if engine.workers_lost:
+            raise WorkersLost(f"shard {job.shard.id}: {engine.workers_lost}") from e
         _raise_if_memory(e, "engine start", memory.used_settings(settings.model, settings.memory_defaults), log_start)
         raise
     run.engine_seconds = time.time() - t0  # about 0 when the job's engine was running already
@@ -355,6 +362,8 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
     except Exception as e:
         if stop.caused(e):
             raise Interrupted(stop.signal, job.shard.id) from e
+        if engine.workers_lost:
+            raise WorkersLost(f"shard {job.shard.id}: {engine.workers_lost}") from e
         _raise_if_memory(e, "generation", engine.memory_settings(), log_start)
         raise
     finally:
@@ -362,6 +371,7 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
         after = engine.counters()
         run.engine_delta = {k: after[k] - before.get(k, 0) for k in after}
         run.feed = feed.stats
+        run.worker_gpus = engine.worker_gpus
     if stop():
         raise Interrupted(stop.signal, job.shard.id)
     return run
@@ -611,6 +621,6 @@ def _outcome(error: BaseException) -> dict[str, Any]:
     from shardgen.claims import ClaimLost
 
     kinds = {TooManyErrors: "too_many_errors", WrongGpus: "wrong_gpus", UnsupportedVllm: "unsupported_vllm",
-             ClaimLost: "claim_lost"}  # fmt: skip
+             ClaimLost: "claim_lost", WorkersLost: "workers_lost", NotMultiNode: "not_multi_node"}  # fmt: skip
     kind = kinds.get(type(error), "failed")
     return {"outcome": kind, "error": f"{type(error).__name__}: {error}"[:1000]}

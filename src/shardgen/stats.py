@@ -261,6 +261,8 @@ SHARD_SUMMARY_KEYS = (
     "peak_rss_mib",
     "memory_failures",
     "host",
+    "nodes",
+    "node_names",
     "slurm",
     "cuda_visible_devices",
     "thread_env_removed",

@@ -24,7 +24,9 @@ from shardgen.claims import CLAIM_NAME, FAILED
 from shardgen.runlock import LOCK_NAME, read_owner
 
 # Attempt outcomes that fail a shard (the others: committed, interrupted, killed without a word).
-FAILURES = ("failed", "too_many_errors", "out_of_memory", "wrong_gpus", "unsupported_vllm")
+FAILURES = (
+    "failed", "too_many_errors", "out_of_memory", "wrong_gpus", "unsupported_vllm", "workers_lost", "not_multi_node",
+)  # fmt: skip
 # A running shard whose progress.json is older than this is shown as silent.
 SILENT_AFTER_S = 120.0
 

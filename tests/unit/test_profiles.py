@@ -303,7 +303,7 @@ class _Resources(dict):
             raise AttributeError(name) from e
 
 
-def sbatch_flags(profile_resources: dict, gpus: int = 1) -> str:
+def sbatch_flags(profile_resources: dict, gpus: int = 1, nodes: int = 1, extra: str = "--signal=TERM@180") -> str:
     """The sbatch command the Slurm plugin (2.6.x) builds for a generate job, without submitting it.
 
     The generate rule's resources as workflow/rules/generate.smk declares them
@@ -314,7 +314,7 @@ def sbatch_flags(profile_resources: dict, gpus: int = 1) -> str:
     from snakemake_executor_plugin_slurm.validation import validate_slurm_extra
 
     resources = _Resources(
-        gpu=gpus, tasks_per_gpu=0, nodes=1, cpus_per_task=2, mem_mb=8000, runtime=30, slurm_extra="--signal=TERM@180"
+        gpu=gpus, tasks_per_gpu=0, nodes=nodes, cpus_per_task=2, mem_mb=8000, runtime=30, slurm_extra=extra
     )
     partition = raw_value(profile_resources.pop("slurm_partition", None))
     resources.update({k: raw_value(v) for k, v in profile_resources.items()})
@@ -333,8 +333,22 @@ def sbatch_flags(profile_resources: dict, gpus: int = 1) -> str:
 
 def test_generate_rule_declares_the_resources_the_flags_test_assumes():
     text = (ROOT / "workflow" / "rules" / "generate.smk").read_text()
-    for declared in ("gpu=GPUS", "tasks_per_gpu=0", "nodes=1", "cpus_per_task=", "mem_mb=", "runtime=", "slurm_extra="):
+    for declared in ("gpu=GPUS", "tasks_per_gpu=0", "nodes=RUN.resources.nodes", "cpus_per_task=", "mem_mb=",
+                     "runtime=", "slurm_extra=slurm_extra"):  # fmt: skip
         assert declared in text
+
+
+def test_a_job_over_two_nodes_gets_the_total_gpus_the_same_on_each_node_and_one_task_per_node():
+    """What common.smk's slurm_extra adds for resources.nodes > 1, through the plugin's own checks."""
+    from shardgen import cluster
+    from tests.conftest import base_config
+
+    run = base_config({"parquet": ["x.parquet"]}, model={"tensor_parallel_size": 8, "pipeline_parallel_size": 2},
+                      resources={"nodes": 2})  # fmt: skip
+    extra = " ".join(["--signal=TERM@180", *cluster.multinode_options(run, "h100")])
+    call = sbatch_flags({"slurm_partition": "gpu", "gpu_model": "h100"}, gpus=run.model.gpus, nodes=2, extra=extra)
+    assert " --nodes=2" in call and " --gpus=h100:16" in call
+    assert "--gpus-per-node=h100:8 --ntasks-per-node=1" in call
 
 
 def test_slurm_profile_gives_one_process_all_gpus_of_one_node_in_the_partition():

@@ -34,6 +34,14 @@ MODEL_RECORD = f"{PLAN_DIR}/model.json"
 # which shards a change of sampling must rerun.)
 CONFIG_JSON = shardgen_config.write_resolved(config, PLAN_DIR)
 GPUS = RUN.model.gpus
+# A job over several nodes (resources.nodes): shardgen starts the other nodes'
+# part of the engine itself (shardgen.multinode). `mpi` makes the Slurm
+# plugins run the rule's command in the batch step, with the whole
+# allocation, instead of in a one-task srun step on the first node, which
+# cannot hold more than one node's GPUs; one task per node.
+MULTINODE_RESOURCES = (
+    {"mpi": "srun", "tasks": RUN.resources.nodes} if RUN.resources.nodes > 1 else {}
+)
 PER_JOB = RUN.shards.per_job
 WORKERS = RUN.shards.workers
 
@@ -163,13 +171,20 @@ def generate_runtime(wildcards, attempt):
     return min(minutes, int(TIME_LIMIT)) if TIME_LIMIT else minutes
 
 
-def slurm_signal(wildcards, attempt):
+def slurm_extra(wildcards, attempt):
     """Ask Slurm for SIGTERM a while before the time limit, so a job saves its
     rows with time to spare (Slurm sends SIGTERM at the limit anyway, and
     SIGKILL after KillWait). Only for limits of 10 minutes or more: Slurm may
-    signal up to a minute early."""
+    signal up to a minute early. A job over several nodes also asks for the
+    same GPUs on each node and one task per node."""
     minutes = generate_runtime(wildcards, attempt)
-    return f"--signal=TERM@{min(300, minutes * 6)}" if minutes >= 10 else ""
+    options = [f"--signal=TERM@{min(300, minutes * 6)}"] if minutes >= 10 else []
+    if RUN.resources.nodes > 1:
+        gpu_model = cluster.generate_request(
+            RUN, workflow.resource_settings, GENERATE_RULE, minutes
+        ).gpu_model
+        options += cluster.multinode_options(RUN, gpu_model)
+    return " ".join(options)
 
 
 def print_summary():

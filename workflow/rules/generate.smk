@@ -18,14 +18,17 @@ rule generate_shard:
         RUN.software.container
     threads: RUN.cpus_per_job
     resources:
-        # all GPUs of a job on one node, one vLLM process that sees them all
+        # all GPUs of a job on one node, one vLLM process that sees them all;
+        # or resources.nodes nodes with the same GPUs each (slurm_extra), one
+        # engine across them
         gpu=GPUS,
         tasks_per_gpu=0,
-        nodes=1,
+        nodes=RUN.resources.nodes,
         cpus_per_task=RUN.cpus_per_job,
         mem_mb=RUN.resources.mem_mb,
         runtime=generate_runtime,
-        slurm_extra=slurm_signal,
+        slurm_extra=slurm_extra,
+        **MULTINODE_RESOURCES,
     params:
         config=run_config,
         # a parameter, not an input: fetching again (a new download_dir) reruns no shard
@@ -36,7 +39,7 @@ rule generate_shard:
         job=generate_args,
     shell:
         "shardgen generate --config {params.config:q} --manifest {input.manifest:q}"
-        " --model-record {params.model_record:q} {params.job} > {log:q} 2>&1"
+        " --model-record {params.model_record:q} {params.job} >> {log:q} 2>&1"
 
 
 # shards.per_job > 1: several shards one after the other on one engine, which
