@@ -249,8 +249,9 @@ def launch(kwargs: dict[str, Any], nodes: int, gpus_per_node: int, on_lost) -> t
 
 
 def stop_engine_core() -> None:
-    """Kill this process's engine core: vLLM's client notices its death at once and fails the request
-    it waits on (``EngineDeadError``; ``MPClient.start_engine_core_monitor``). A SIGTERM would not do:
+    """Kill this process's engine core: vLLM's client notices its death at once and shuts itself down
+    (``MPClient.start_engine_core_monitor``; ``Engine._workers_gone`` then wakes the request the job
+    waits on, which that shutdown leaves waiting). A SIGTERM would not do:
     the engine core's handler only asks its busy loop to stop, and that loop waits for the lost
     workers' answer until the RPC timeout (``vllm/v1/engine/core.py``, ``run_engine_core``; seen here).
 
