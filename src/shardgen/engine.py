@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -246,6 +247,35 @@ class EngineSettings:
 # -- The engine ------------------------------------------------------------------------------------
 
 
+def _fail_when_engine_core_dies(llm: Any) -> None:
+    """Make the job's wait for the engine's outputs fail when its engine core process ends.
+
+    vLLM 0.32's offline client waits on its output queue for ever once the engine core died without a
+    word (the kernel's OOM killer, a SIGKILL, ``multinode.stop_engine_core``): its monitor shuts the
+    client down, and the thread that fills the queue then ends without putting anything in it
+    (v1/engine/core_client.py: SyncMPClient.get_output, process_outputs_socket; BackgroundResources).
+    A thread waits for the process and puts the engine's death there. After a deliberate shutdown
+    nobody reads the queue again; after a death with a message, the job raised on that one first.
+    """
+    from multiprocessing import connection
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    client = llm.llm_engine.engine_core
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    outputs = getattr(client, "outputs_queue", None)
+    if manager is None or outputs is None:
+        return  # the engine core runs in this process
+    processes = list(manager.processes)
+
+    def wait() -> None:
+        connection.wait([p.sentinel for p in processes])
+        codes = [p.exitcode for p in processes]
+        outputs.put_nowait(EngineDeadError(f"the engine core process ended (exit code {codes})"))
+
+    threading.Thread(target=wait, name="engine-core-watch", daemon=True).start()
+
+
 class Engine:
     """One handle on a vLLM engine, however it came to be.
 
@@ -289,6 +319,7 @@ class Engine:
                 raise
             self._kwargs = settings.kwargs
             self.starts += 1
+            _fail_when_engine_core_dies(self.llm)
         return self.llm
 
     @property
@@ -302,20 +333,11 @@ class Engine:
         return self._workers.lost if self._workers is not None else None
 
     def _workers_gone(self) -> None:
-        """The engine's workers on other nodes ended while it ran: fail it now, not at vLLM's RPC timeout."""
-        from vllm.v1.engine.exceptions import EngineDeadError
-
+        """The engine's workers on other nodes ended while it ran: fail it now, not at vLLM's RPC timeout
+        (the engine core's death wakes the job: ``_fail_when_engine_core_dies``)."""
         from shardgen import multinode
 
         multinode.stop_engine_core()
-        # vLLM 0.32's offline client waits on its output queue for ever once its engine core died
-        # without a word: its monitor shuts the client down, and the output thread then ends without
-        # putting anything in the queue (v1/engine/core_client.py, SyncMPClient.get_output and
-        # process_outputs_socket; BackgroundResources.__call__). Put the engine's death there.
-        client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
-        outputs = getattr(client, "outputs_queue", None)
-        if outputs is not None:
-            outputs.put_nowait(EngineDeadError("the engine's workers on another node ended"))
 
     def _stop_workers(self) -> None:
         if self._workers is not None:

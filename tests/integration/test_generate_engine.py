@@ -407,3 +407,43 @@ def test_a_signal_before_the_engine_start_stops_the_job_without_starting_it(tmp_
         run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json")
     log = (tmp_path / "out" / "checkpoints" / "00000" / "attempts.jsonl").read_text().splitlines()
     assert [json.loads(line).get("outcome") for line in log] == [None, "interrupted"]
+
+
+def test_an_engine_core_killed_mid_shard_fails_the_attempt_at_once_and_keeps_its_saved_rows(
+    tmp_path, model_dir, monkeypatch
+):
+    """The kernel's OOM killer or a SIGKILL ends vLLM's engine core without a word, and vLLM 0.32's
+    offline client would then wait for its outputs for ever (engine._fail_when_engine_core_dies)."""
+    import psutil
+
+    config, manifest = plan(
+        tmp_path, make_rows(16), shards={"rows_per_shard": 16}, checkpoint={"rows": 2, "seconds": 300}
+    )
+    real_flush, killed = ShardCheckpoint.flush, []
+
+    def flush_then_kill(self, rows):
+        real_flush(self, rows)
+        if rows and not killed:
+            for p in psutil.Process().children():
+                if "VLLM::EngineCore" in " ".join(p.cmdline()):
+                    p.kill()
+                    killed.append(p.pid)
+
+    def hung(signum, frame):
+        raise AssertionError("the job still waits on a dead engine core after 240 s")
+
+    monkeypatch.setattr(ShardCheckpoint, "flush", flush_then_kill)
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(240)
+    try:
+        with pytest.raises(Exception, match="EngineCore encountered an issue") as raised:
+            run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", window=2)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert killed and type(raised.value).__name__ == "EngineDeadError"
+    log = (tmp_path / "out" / "checkpoints" / "00000" / "attempts.jsonl").read_text().splitlines()
+    end = json.loads(log[-1])
+    assert end["outcome"] == "failed" and "EngineDeadError" in end["error"]
+    assert 2 <= end["rows_saved"] < 16, "the rows finished before the engine died are saved"
+    assert part_rows(tmp_path / "out" / "checkpoints" / "00000") == end["rows_saved"]

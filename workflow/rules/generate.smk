@@ -18,6 +18,8 @@ rule generate_shard:
         RUN.software.container
     threads: RUN.cpus_per_job
     resources:
+        # resources.nodes > 1: the `mpi` and `tasks` resources (common.smk)
+        **MULTINODE_RESOURCES,
         # all GPUs of a job on one node, one vLLM process that sees them all;
         # or resources.nodes nodes with the same GPUs each (slurm_extra), one
         # engine across them
@@ -28,7 +30,6 @@ rule generate_shard:
         mem_mb=RUN.resources.mem_mb,
         runtime=generate_runtime,
         slurm_extra=slurm_extra,
-        **MULTINODE_RESOURCES,
     params:
         config=run_config,
         # a parameter, not an input: fetching again (a new download_dir) reruns no shard
