@@ -1,6 +1,6 @@
 """One engine across several nodes (resources.nodes): the layout's rules, what Slurm is asked for,
 and what each node passes vLLM. The launch itself runs on the real Slurm and engine in
-tests/integration/test_multinode.py."""
+tests/integration/test_multinode.py (a module name of its own: pytest imports both by basename)."""
 
 from __future__ import annotations
 
