@@ -14,7 +14,6 @@ import json
 import re
 import subprocess
 
-import psutil
 import pyarrow.parquet as pq
 import pytest
 
@@ -22,6 +21,7 @@ from tests.conftest import make_rows, write_parquet
 from tests.integration.workflow import (
     Background,
     dry_run_jobs,
+    generate_process,
     part_rows,
     run_workflow,
     workflow_config,
@@ -72,11 +72,7 @@ def test_kill_9_loses_only_unsaved_rows_and_a_rerun_after_the_retries_are_used_u
     config = one_shard_run(tmp_path, rows)
     run = Background(tmp_path, config, "local", "--retries", "0")
     run.wait_until(lambda: part_rows(checkpoints(tmp_path)) > 0, 300, "a checkpoint part")
-    job = next(
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "generate" in (p.info["cmdline"] or []) and any(a.endswith("shardgen") for a in p.info["cmdline"])
-    )
+    job = generate_process(tmp_path)
     victims = [*job.children(recursive=True), job]
     for p in victims:  # what the OOM killer or a node failure does: no warning, no save
         p.kill()

@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import math
 
-import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import MODEL, ROOT, make_rows, write_parquet
-from tests.integration.workflow import Background, part_rows, run_workflow, workflow_config
+from tests.integration.workflow import Background, generate_process, part_rows, run_workflow, workflow_config
 
 pytestmark = pytest.mark.engine
 
@@ -59,11 +58,7 @@ def test_a_classifier_killed_mid_shard_resumes_and_gives_a_label_and_probabiliti
     run = Background(tmp_path, config, "local", "--retries", "0")
     ckpt = tmp_path / "results" / "checkpoints" / "00000"
     run.wait_until(lambda: part_rows(ckpt) > 0, 300, "a checkpoint part")
-    job = next(
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "generate" in (p.info["cmdline"] or []) and any(a.endswith("shardgen") for a in p.info["cmdline"])
-    )
+    job = generate_process(tmp_path)
     for p in [*job.children(recursive=True), job]:  # no warning, no save
         p.kill()
     saved = part_rows(ckpt)

@@ -12,19 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import make_rows, write_parquet
-from tests.integration.workflow import BIN, Background, part_rows, run_workflow, workflow_config
+from tests.integration.workflow import BIN, Background, generate_process, part_rows, run_workflow, workflow_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.slurm]
-
-
-def worker_process(index: int) -> psutil.Process:
-    return next(
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "generate" in (p.info["cmdline"] or [])
-        and "--worker" in p.info["cmdline"]
-        and p.info["cmdline"][p.info["cmdline"].index("--worker") + 1] == str(index)
-    )
 
 
 def claims_of(out, worker: int) -> list[str]:
@@ -71,7 +61,7 @@ def test_a_worker_killed_mid_shard_is_taken_over_after_the_lease_and_its_rows_re
         if saving(0):
             return True
         if not frozen and saving(1):
-            job = worker_process(1)
+            job = generate_process(tmp_path, "--worker", "1")
             frozen.extend([job, *job.children(recursive=True)])
             for p in frozen:
                 p.suspend()
@@ -80,7 +70,7 @@ def test_a_worker_killed_mid_shard_is_taken_over_after_the_lease_and_its_rows_re
     try:
         run.wait_until(victim_shard, 600, "saved rows of a shard of worker 0")
         (shard,) = claims_of(out, 0)
-        job = worker_process(0)
+        job = generate_process(tmp_path, "--worker", "0")
         for p in [*job.children(recursive=True), job]:  # no warning, no save, no end record
             p.kill()
         saved = part_rows(out / "checkpoints" / shard)

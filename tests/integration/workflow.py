@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pyarrow.parquet as pq
 import yaml
 
@@ -127,3 +128,19 @@ def part_rows(checkpoint_dir: Path) -> int:
     """Rows in the checkpoint parts of a shard. Parts are written under a temporary name and renamed
     whole, so a part that cannot be read is a failure of the atomic write, not a part in progress."""
     return sum(pq.read_metadata(part).num_rows for part in checkpoint_dir.glob("part-[0-9]*.parquet"))
+
+
+def generate_process(workdir: Path, *args: str) -> psutil.Process:
+    """The run's ``shardgen generate`` process: the one working in ``workdir`` (not one of another
+    test's run, or one a killed run left behind), whose command line holds ``args`` one after the other."""
+    n = len(args)
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        cmd = p.info["cmdline"] or []
+        if (
+            p.info["cwd"] == str(workdir)
+            and "generate" in cmd
+            and any(a.endswith("shardgen") for a in cmd)
+            and (not args or any(tuple(cmd[i : i + n]) == args for i in range(len(cmd))))
+        ):
+            return p
+    raise AssertionError(f"no shardgen generate process works in {workdir} with {args}")
