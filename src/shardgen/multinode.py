@@ -91,11 +91,11 @@ def job_record() -> dict[str, str]:
     Asked, not read from ``SLURM_*`` variables: the Slurm plugin's job step removes them from
     the rule's environment (snakemake-executor-plugin-slurm-jobstep, ``run_job``), all but the job id.
     """
+    from shardgen.jobinfo import scontrol_jobs
+
     job_id = os.environ.get("SLURM_JOB_ID")
-    if not job_id or not shutil.which("scontrol"):
-        return {}
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=False)
-    return dict(f.split("=", 1) for f in out.stdout.split() if "=" in f)
+    jobs = scontrol_jobs(job_id) if job_id else []
+    return jobs[0] if jobs else {}
 
 
 def job_nodes() -> list[str]:
