@@ -64,4 +64,9 @@ onstart:
 
 
 onsuccess:
+    end_run()
     print_summary()
+
+
+onerror:
+    end_run()

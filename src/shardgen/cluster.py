@@ -261,6 +261,36 @@ def squeue(*states: str, run: Callable[[list[str]], str] | None = None) -> list[
         return []
 
 
+def is_run_job(job: QueuedJob, workdir: str, rules: Iterable[str]) -> bool:
+    """Whether ``job`` was submitted by the Slurm executor plugin for a run in ``workdir``: from that
+    directory, with a comment naming one of the run's rules (``rule_<name>`` or
+    ``rule_<name>_wildcards_<...>``, as the plugin sets it)."""
+    return job.workdir == workdir and any(
+        job.comment == f"rule_{rule}" or job.comment.startswith(f"rule_{rule}_wildcards_") for rule in rules
+    )
+
+
+def cancel_run_jobs(workdir: str, rules: Iterable[str], run: Callable[[list[str]], str] | None = None) -> list[str]:
+    """Cancel the queued and running Slurm jobs of the run in ``workdir`` (``is_run_job``), by job id
+    with ``scancel`` as the executor plugin cancels them. Returns the ids it cancelled.
+
+    Raises:
+        OSError, subprocess.SubprocessError: squeue or scancel could not be asked.
+    """
+    run = run or _run
+    rules = tuple(rules)
+    jobs = parse_squeue(run(["squeue", "--me", "-h", "-o", SQUEUE_FORMAT]))
+    ids = [job.job_id for job in jobs if job.state not in FINAL_STATES and is_run_job(job, workdir, rules)]
+    if ids:
+        run(["scancel", *ids])
+    return ids
+
+
+# squeue's states of a job that has ended (squeue shows them for MinJobAge after the end).
+FINAL_STATES = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+                "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED")  # fmt: skip
+
+
 @dataclass
 class PendingWatcher:
     """Watches this run's pending jobs (by the working directory they were submitted from, and a

@@ -283,6 +283,7 @@ def run_shard(
     model_record: dict[str, Any] | None = None,
     window: int | None = None,
     guard: Callable[[], None] | None = None,
+    stop: _StopFlag | None = None,
 ) -> dict[str, Any]:
     """Generate one shard and commit its output and stats. Returns the stats.
 
@@ -293,6 +294,8 @@ def run_shard(
             when None, it is looked up on the local disk only.
         window: requests kept in flight (default: twice the engine's ``max_num_seqs``).
         guard: called before every write of the shard's files (an elastic worker's claim check).
+        stop: the job's stop flag, when the job runs several shards: a signal that came during an
+            earlier shard (its commit, say) stops this one before it starts. By default one of its own.
 
     Raises:
         Interrupted: SIGTERM or SIGINT arrived; finished rows are saved.
@@ -302,7 +305,9 @@ def run_shard(
     own = engine is None
     engine = engine or Engine()
     try:
-        with _StopFlag() as stop:
+        with contextlib.nullcontext(stop) if stop is not None else _StopFlag() as stop:
+            if stop():
+                raise Interrupted(stop.signal, shard_id)
             job = ShardJob.prepare(config, manifest_path, shard_id, model_record, guard)
             counters = AttemptCounters()
             try:
@@ -397,12 +402,13 @@ def run_shards(
     engine = engine or Engine()
     done = []
     try:
-        for shard_id in shard_ids:
-            if committed(config, manifest, manifest.shard(shard_id), shard_dir):
-                log.info("shard %s: already committed with this configuration; kept", shard_id)
-                continue
-            out, stats = shard_dir / f"{shard_id}.parquet", shard_dir / f"{shard_id}.stats.json"
-            done.append(run_shard(config, manifest_path, shard_id, out, stats, engine, model_record))
+        with _StopFlag() as stop:  # one for the job: a signal between two shards stops the next
+            for shard_id in shard_ids:
+                if committed(config, manifest, manifest.shard(shard_id), shard_dir):
+                    log.info("shard %s: already committed with this configuration; kept", shard_id)
+                    continue
+                out, stats = shard_dir / f"{shard_id}.parquet", shard_dir / f"{shard_id}.stats.json"
+                done.append(run_shard(config, manifest_path, shard_id, out, stats, engine, model_record, stop=stop))
     finally:
         if own:
             engine.close()
@@ -448,30 +454,32 @@ def run_worker(
         return shard_id in done
 
     try:
-        while (claim := board.next([s.id for s in manifest.shards], is_done)) is not None:
-            with claim:
-                shard_id = claim.shard
-                if claim.took_over and claim.took_over.get("worker") != worker:
-                    record["taken_over"].append(shard_id)
-                if is_done(shard_id):
-                    record["kept"].append(shard_id)
+        with _StopFlag() as stop:  # one for the job: a signal between two shards stops the next
+            while (claim := board.next([s.id for s in manifest.shards], is_done)) is not None:
+                with claim:
+                    shard_id = claim.shard
+                    if claim.took_over and claim.took_over.get("worker") != worker:
+                        record["taken_over"].append(shard_id)
+                    if is_done(shard_id):
+                        record["kept"].append(shard_id)
+                        claim.release()
+                        continue
+                    out, stats = shard_dir / f"{shard_id}.parquet", shard_dir / f"{shard_id}.stats.json"
+                    try:
+                        run_shard(config, manifest_path, shard_id, out, stats, engine, model_record,
+                                  guard=claim.check, stop=stop)  # fmt: skip
+                    except ClaimLost as e:
+                        log.warning("%s", e)
+                        record["lost"].append(shard_id)
+                        continue
+                    except Interrupted:
+                        raise
+                    except BaseException as e:
+                        claim.mark_failed(e)
+                        raise
+                    done.add(shard_id)
+                    record["committed"].append(shard_id)
                     claim.release()
-                    continue
-                out, stats = shard_dir / f"{shard_id}.parquet", shard_dir / f"{shard_id}.stats.json"
-                try:
-                    run_shard(config, manifest_path, shard_id, out, stats, engine, model_record, guard=claim.check)
-                except ClaimLost as e:
-                    log.warning("%s", e)
-                    record["lost"].append(shard_id)
-                    continue
-                except Interrupted:
-                    raise
-                except BaseException as e:
-                    claim.mark_failed(e)
-                    raise
-                done.add(shard_id)
-                record["committed"].append(shard_id)
-                claim.release()
     finally:
         board.close()
         if own:

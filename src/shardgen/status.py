@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen import cluster
+from shardgen import cluster, runstop
 from shardgen.claims import CLAIM_NAME, FAILED
 from shardgen.runlock import LOCK_NAME, read_owner
 
@@ -57,6 +57,7 @@ class RunStatus:
     window_s: float
     jobs: dict[str, str]  # Slurm job id -> state (squeue), for the running shards' jobs
     pending: list[cluster.QueuedJob] = field(default_factory=list)  # the run's jobs waiting in the queue
+    stopped: dict[str, Any] | None = None  # why the last run was stopped (runstop's record), if it was
 
     def count(self, state: str) -> int:
         return sum(s.state == state for s in self.shards)
@@ -171,7 +172,7 @@ def read_status(
             workdir = None
     workdir = str(Path(workdir or Path.cwd()).absolute())
     pending = [job for job in queued if job.state == "PENDING" and job.workdir == workdir]
-    return RunStatus(out, shards, now, window_s, jobs, pending)
+    return RunStatus(out, shards, now, window_s, jobs, pending, runstop.read_record(out / "logs"))
 
 
 def _from_stats(s: ShardState, stats: dict[str, Any]) -> None:
@@ -255,6 +256,11 @@ def format_status(st: RunStatus, slowest: int = 5) -> str:
             lines.append(f"  job {job.job_id} ({job.comment}), submitted {job.submitted}: {job.reason}")
         if slowest and len(st.pending) > slowest:
             lines.append(f"  ... and {len(st.pending) - slowest} more")
+    if st.stopped:
+        cancelled = ", ".join(st.stopped.get("cancelled_jobs") or []) or "none"
+        lines.append(
+            f"stopped at {st.stopped.get('stopped')}: {st.stopped.get('reason')} (Slurm jobs cancelled: {cancelled})"
+        )
     errors = st.errors()
     if errors:
         lines.append(

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.integration.workflow import run_bounded
 
 pytestmark = pytest.mark.engine
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.engine
 def test_the_benchmark_compares_raw_vllm_caching_and_order_and_writes_results(tmp_path, model_dir):
     cmd = [sys.executable, str(ROOT / "bench" / "throughput.py"), "--rows", "12", "--max-tokens", "4",
            "--repeats", "1", "--docs", "4", "--questions", "2", "--out", str(tmp_path)]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    r = run_bounded(cmd)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "throughput.json").read_text())
     s, o = result["overhead"], result["order"]
@@ -33,7 +33,7 @@ def test_the_feed_benchmark_compares_shardgen_with_llm_chat_on_the_toy_model_wit
     toy = ROOT / "models" / "toy" / "config.json"
     assert toy.exists(), "the toy model is made by `make setup`"
     cmd = [sys.executable, str(ROOT / "bench" / "feed.py"), "--size", "smoke", "--out", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    r = run_bounded(cmd)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "feed.json").read_text())
     assert set(result["max_num_seqs"]) == {"256", "1024"}
@@ -49,7 +49,7 @@ def test_the_feed_benchmark_compares_shardgen_with_llm_chat_on_the_toy_model_wit
 
 def test_the_pooling_benchmark_compares_shardgen_with_llm_classify_and_embed_on_the_same_values(tmp_path, model_dir):
     cmd = [sys.executable, str(ROOT / "bench" / "pooling.py"), "--size", "smoke", "--out", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    r = run_bounded(cmd)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "pooling.json").read_text())
     assert set(result["tasks"]) == {"classify", "embed"}

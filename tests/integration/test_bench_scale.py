@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 from tests.conftest import ROOT
+from tests.integration.workflow import run_bounded
 
 
 def _positive(run: dict, *keys: str) -> None:
@@ -17,7 +17,7 @@ def _positive(run: dict, *keys: str) -> None:
 def test_the_scale_benchmark_measures_plan_dry_run_merge_and_simulates_the_three_modes(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     cmd = [sys.executable, str(ROOT / "bench" / "scale.py"), "--size", "smoke", "--out", str(out), "--work", str(work)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    r = run_bounded(cmd)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((out / "scale.json").read_text())
     assert result["size"] == "smoke"

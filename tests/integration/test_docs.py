@@ -30,6 +30,7 @@ import yaml
 
 from shardgen.profile import find_unset, raw_value, read_profile
 from tests.conftest import make_rows, write_parquet
+from tests.integration.workflow import run_bounded
 from tests.unit.test_profiles import filled, job_counts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,7 +174,7 @@ class Guide:
     def run(self, cmd: Command) -> subprocess.CompletedProcess:
         env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", **cmd.env)
         argv = [str(BIN / "snakemake"), "--snakefile", str(ROOT / "Snakefile"), *cmd.args]
-        return subprocess.run(argv, cwd=self.workdir, env=env, capture_output=True, text=True, timeout=600)
+        return run_bounded(argv, workdir=self.workdir, cwd=self.workdir, env=env)
 
 
 def expected_jobs(out_dir: Path, config: dict) -> dict[str, int]:

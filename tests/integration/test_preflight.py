@@ -14,7 +14,7 @@ import pytest
 from shardgen.cli import main
 from shardgen.plan import write_manifest
 from tests.conftest import base_config, changed, make_rows, write_parquet
-from tests.integration.workflow import run_workflow, workflow_config
+from tests.integration.workflow import run_bounded, run_workflow, workflow_config
 
 
 def preflight(tmp_path, capsys, rows=None, id_column=None, **overrides) -> tuple[int, str]:
@@ -168,14 +168,13 @@ def test_an_empty_dataset_is_an_error_unless_allowed(tmp_path, capsys):
 def run_without_read_override(workdir, args) -> tuple[int, str]:
     """``shardgen ARGS`` as root without the capabilities that let root read any file."""
     import shutil
-    import subprocess
     import sys
 
     if not shutil.which("setpriv"):
         pytest.fail("running as root without setpriv: cannot test an unreadable file")
     drop = "-dac_override,-dac_read_search"
     cmd = ["setpriv", "--bounding-set", drop, "--inh-caps", drop, sys.executable, "-m", "shardgen.cli", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=workdir)
+    r = run_bounded(cmd, 120, cwd=workdir)
     return r.returncode, r.stderr
 
 

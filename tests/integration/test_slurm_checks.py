@@ -8,9 +8,10 @@ import time
 
 import pytest
 
+from shardgen import runstop
 from shardgen.cluster import PendingWatcher
 from tests.conftest import make_rows, write_parquet
-from tests.integration.workflow import run_workflow, workflow_config
+from tests.integration.workflow import BIN, Background, run_workflow, workflow_config
 
 pytestmark = pytest.mark.slurm
 
@@ -74,14 +75,24 @@ def test_a_job_pending_with_partition_config_is_reported(tmp_path, slurm_cluster
 
 def test_a_run_whose_job_can_never_start_stops_and_cancels_it_instead_of_waiting(tmp_path, slurm_cluster):
     """What the request check cannot see (here an sbatch option of the profile's slurm_extra that no
-    node satisfies) leaves the job pending with PartitionConfig: the run stops with the reason."""
+    node satisfies) leaves the job pending with PartitionConfig: the run stops with the reason, its
+    job is cancelled and the controller has ended within a minute of the message."""
     config = one_shard(tmp_path)
-    r = run_workflow(
-        tmp_path, config, "slurm", "--set-resources", "generate_shard:slurm_extra='--ntasks-per-node=64'", check=False
-    )
-    text = r.stdout + r.stderr
-    assert r.returncode != 0
-    assert "is pending with the reason PartitionConfig" in text and "Stopping the run" in text
-    states = subprocess.run(["squeue", "-h", "-t", "all", "-j", ",".join(jobs_from(tmp_path)), "-o", "%T"],
+    run = Background(tmp_path, config, "slurm", "--set-resources", "generate_shard:slurm_extra='--ntasks-per-node=64'")
+    said = "is pending with the reason PartitionConfig"
+    run.wait_until(lambda: said in run.output(), 240, "the watcher's message")  # it polls every 30 s
+    told = time.time()
+    with pytest.raises(AssertionError, match=said):  # the run fails, with the reason
+        run.wait(60)
+    assert time.time() - told < 60
+    text = run.output()
+    assert "Stopping the run; its jobs are cancelled" in text and "cancelled the run's Slurm job(s)" in text
+    jobs = jobs_from(tmp_path)
+    states = subprocess.run(["squeue", "-h", "-t", "all", "-j", ",".join(jobs), "-o", "%T"],
                             capture_output=True, text=True).stdout.split()  # fmt: skip
     assert states and set(states) == {"CANCELLED"}, states
+    record = runstop.read_record(tmp_path / "results" / "logs")
+    assert said in record["reason"] and record["cancelled_jobs"] == jobs
+    status = subprocess.run([str(BIN / "shardgen"), "status", "--dir", "results"], cwd=tmp_path, capture_output=True,
+                            text=True).stdout  # fmt: skip
+    assert f"stopped at {record['stopped']}: Slurm job {jobs[0]} " in status, status

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,84 @@ import yaml
 from tests.conftest import ROOT, TEST_MODEL_CFG
 
 BIN = Path(sys.executable).parent
+# The longest a workflow run of the suite may take before it is taken for hung: its processes' stacks
+# are dumped and it is killed. The slowest run here (the two-node test's) takes under 4 minutes.
+RUN_BOUND_S = 480.0
+
+
+def stacks(pid: int, workdir: Path | None = None) -> str:
+    """The Python stacks (py-spy) of process ``pid``, its descendants, and the processes working in
+    ``workdir`` (a run's Slurm jobs, which are not its children): what a hung run was doing."""
+    procs: dict[int, psutil.Process] = {}
+    try:
+        top = psutil.Process(pid)
+        procs = {p.pid: p for p in [top, *top.children(recursive=True)]}
+    except psutil.Error:
+        pass
+    if workdir is not None:
+        for p in psutil.process_iter(["cwd"]):
+            if p.info["cwd"] == str(workdir):
+                procs.setdefault(p.pid, p)
+    out = []
+    for p in procs.values():
+        try:
+            cmd = " ".join(p.cmdline())[:300]
+        except psutil.Error:
+            continue
+        if "python" not in cmd and "snakemake" not in cmd and "shardgen" not in cmd:
+            out.append(f"--- {p.pid}: {cmd}")
+            continue
+        try:
+            r = subprocess.run([str(BIN / "py-spy"), "dump", "--pid", str(p.pid)], capture_output=True, text=True,
+                               timeout=60)  # fmt: skip
+            dump = r.stdout + r.stderr
+        except (OSError, subprocess.SubprocessError) as e:
+            dump = f"py-spy failed: {e}"
+        out.append(f"--- {p.pid}: {cmd}\n{dump}")
+    return "\n".join(out)
+
+
+def end_hung(proc: subprocess.Popen, workdir: Path | None, bound: float, output: str = "") -> AssertionError:
+    """A run that outlived its bound: its stacks, then it is killed with its children and its Slurm jobs."""
+    dump = stacks(proc.pid, workdir)
+    try:
+        victims = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        victims = []
+    for p in victims:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    proc.kill()
+    proc.wait()
+    if workdir is not None:  # its Slurm jobs, so that the next test's do not wait behind them
+        q = subprocess.run(["squeue", "--me", "-h", "-o", "%i|%Z"], capture_output=True, text=True).stdout
+        ids = [line.split("|")[0] for line in q.splitlines() if line.endswith(f"|{workdir}")]
+        if ids:
+            subprocess.run(["scancel", *ids])
+    return AssertionError(
+        f"{' '.join(map(str, proc.args))[:300]} did not end within {bound:.0f} s; the stacks of its processes "
+        f"(py-spy):\n{dump}\n--- its output:\n{output[-5000:]}"
+    )
+
+
+def run_bounded(
+    cmd: list[str], bound: float = RUN_BOUND_S, workdir: Path | None = None, **popen: object
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)``, but a command still running after
+    ``bound`` seconds fails the test with the stacks of its processes (``end_hung``)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, **popen)
+        try:
+            rc = proc.wait(bound)
+        except subprocess.TimeoutExpired:
+            out.seek(0)
+            err.seek(0)
+            raise end_hung(proc, workdir, bound, out.read() + err.read()) from None
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, rc, out.read(), err.read())
 
 
 def workflow_config(inputs: dict[str, Any], **sections: Any) -> dict[str, Any]:
@@ -66,11 +145,11 @@ def _failure(workdir: Path, rc: int, stdout: str, stderr: str) -> AssertionError
 
 
 def run_workflow(
-    workdir: Path, config: dict[str, Any], profile: str, *args: str, check: bool = True
+    workdir: Path, config: dict[str, Any], profile: str, *args: str, check: bool = True, bound: float = RUN_BOUND_S
 ) -> subprocess.CompletedProcess:
-    """``snakemake --profile profiles/<profile> --configfile <config>`` in ``workdir``."""
+    """``snakemake --profile profiles/<profile> --configfile <config>`` in ``workdir``, for at most ``bound`` s."""
     cmd, env = _command(workdir, config, profile, args)
-    r = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=1500)
+    r = run_bounded(cmd, bound, workdir, cwd=workdir, env=env)
     if check and r.returncode != 0:
         raise _failure(workdir, r.returncode, r.stdout, r.stderr)
     return r
@@ -108,15 +187,18 @@ class Background:
             if self.proc.poll() is not None:
                 raise AssertionError(f"the workflow ended before {what}:\n{self.output()[-5000:]}")
             time.sleep(0.2)
-        self.proc.kill()
-        raise AssertionError(f"timed out waiting for {what}:\n{self.output()[-5000:]}")
+        raise end_hung(self.proc, self.workdir, timeout, f"(waiting for {what})\n{self.output()}")
 
     def output(self) -> str:
-        self.out.flush()
+        if not self.out.closed:
+            self.out.flush()
         return (self.workdir / "snakemake.out").read_text()
 
-    def wait(self, timeout: float = 1500) -> str:
-        rc = self.proc.wait(timeout=timeout)
+    def wait(self, timeout: float = RUN_BOUND_S) -> str:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise end_hung(self.proc, self.workdir, timeout, self.output()) from None
         text = self.output()
         self.out.close()
         if rc != 0:

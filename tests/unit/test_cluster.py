@@ -117,3 +117,27 @@ def test_a_failing_squeue_reports_nothing_and_stops_nothing():
         raise OSError("squeue: not found")
 
     assert PendingWatcher("/work/run", stop=pytest.fail, run=broken).poll() == []
+
+
+def test_cancelling_a_run_cancels_by_id_only_its_own_unfinished_jobs():
+    queue = """\
+201|RUNNING|None|uuid|rule_generate_shard_wildcards_00001|2026-12-03T10:00:00|/work/run
+202|PENDING|PartitionConfig|uuid|rule_generate_shard_wildcards_00002|2026-12-03T10:00:00|/work/run
+203|COMPLETED|None|uuid|rule_generate_shard_wildcards_00003|2026-12-03T10:00:00|/work/run
+204|PENDING|Priority|uuid|rule_generate_shard_wildcards_00004|2026-12-03T10:00:00|/elsewhere
+205|PENDING|Priority|uuid|rule_generate_shardsX_wildcards_00005|2026-12-03T10:00:00|/work/run
+206|RUNNING|None|other|my-own-job|2026-12-03T10:00:00|/work/run
+207|PENDING|Priority|uuid|rule_merge_shards|2026-12-03T10:00:00|/work/run
+"""
+    calls = []
+
+    def run(argv):
+        calls.append(argv)
+        return queue if argv[0] == "squeue" else ""
+
+    rules = ["generate_shard", "merge_shards"]
+    assert cluster.cancel_run_jobs("/work/run", rules, run=run) == ["201", "202", "207"]
+    assert calls[-1] == ["scancel", "201", "202", "207"]
+    calls.clear()
+    assert cluster.cancel_run_jobs("/nothing/here", rules, run=run) == []
+    assert [argv[0] for argv in calls] == ["squeue"], "no scancel without a job"

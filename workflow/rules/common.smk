@@ -1,8 +1,6 @@
 # Glue: paths, config lookups and input functions. Logic lives in the package.
 import json
-import os
 import shlex
-import signal
 from pathlib import Path
 
 from shardgen import cluster
@@ -11,6 +9,7 @@ from shardgen.installed import slurm_plugin_problem
 from shardgen.formats import output_path
 from shardgen.io import restrict_umask
 from shardgen.runlock import RunLock
+from shardgen.runstop import RECORD_NAME, RunStop
 from shardgen.sources import input_signature
 from shardgen.stats import summary_text
 
@@ -62,6 +61,8 @@ GENERATE_RULE = (
     else "generate_shards" if PER_JOB > 1 else "generate_shard"
 )
 TIME_LIMIT = None
+# Stops the run from the pending watcher's thread (shardgen.runstop: why it cannot be lost).
+RUN_STOP = None
 # The rules that run before any shard is generated.
 BEFORE_GENERATE = {"fetch_model", "plan_shards", "preflight"}
 
@@ -70,8 +71,15 @@ def start_run():
     """onstart, before the first job: hold output.dir for this run (refused when another run holds
     it); with Slurm, refuse generate jobs no node can run and watch the queue for jobs that would
     wait for ever."""
-    global RUN_LOCK, TIME_LIMIT, WATCHER
+    global RUN_LOCK, RUN_STOP, TIME_LIMIT, WATCHER
     RUN_LOCK = RunLock.acquire(OUT, Path.cwd(), RUN.fingerprint)
+    RUN_STOP = RunStop(  # clears an earlier run's record of its stop
+        workflow,
+        Path.cwd(),
+        [rule.name for rule in workflow.rules],
+        record=f"{LOG_DIR}/{RECORD_NAME}",
+        logger=logger,
+    )
     if workflow.executor_plugin is None or workflow.executor_plugin.name != "slurm":
         return
     problem = slurm_plugin_problem()
@@ -90,13 +98,14 @@ def start_run():
     if any(job.rule.name not in BEFORE_GENERATE for job in workflow.dag.jobs):
         cluster.check_request(nodes, request, default)
     TIME_LIMIT = cluster.partition_time_limit(nodes, request.partition, default)
-    WATCHER = cluster.PendingWatcher(str(Path.cwd()), stop=stop_run).start()
+    WATCHER = cluster.PendingWatcher(str(Path.cwd()), stop=RUN_STOP.request).start()
 
 
-def stop_run(message):
-    """Stop the run as Ctrl+C does: Snakemake cancels its Slurm jobs and exits with an error."""
-    logger.error(f"shardgen: error: {message}")
-    os.kill(os.getpid(), signal.SIGINT)
+def end_run():
+    """onsuccess and onerror, once the scheduler has returned: after a stop, cancel what is left of
+    the run's Slurm jobs (none can be submitted any more)."""
+    if RUN_STOP is not None:
+        RUN_STOP.finish()
 
 
 wildcard_constraints:

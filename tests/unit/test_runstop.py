@@ -1,0 +1,81 @@
+"""A stop requested from another thread ends the run whatever the main thread does: the scheduler
+is told through its executor-error callback, the run's jobs are cancelled until it has ended, and a
+controller that does not end is ended. Snakemake's objects are stand-ins here; the real scheduler
+and Slurm in tests/integration/test_run_stop.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from shardgen import runstop
+from shardgen.runstop import RunStop, RunStopped
+
+
+class Scheduler:
+    def __init__(self) -> None:
+        self.errors: list[Exception] = []
+
+    def executor_error_callback(self, exception: Exception) -> None:
+        self.errors.append(exception)
+
+
+def make(tmp_path, cancel, **kwargs):
+    unlocked, exits = [], []
+    workflow = SimpleNamespace(scheduler=Scheduler(), persistence=SimpleNamespace(unlock=lambda: unlocked.append(1)))
+    stop = RunStop(workflow, tmp_path, ["generate_shard"], record=tmp_path / "logs" / runstop.RECORD_NAME,
+                   cancel=cancel, exit=exits.append, poll_s=0.01, **kwargs)  # fmt: skip
+    return stop, workflow.scheduler, unlocked, exits
+
+
+def test_a_stop_tells_the_scheduler_once_cancels_the_jobs_and_records_why(tmp_path):
+    queued = {"11", "12"}
+    stop, scheduler, unlocked, exits = make(tmp_path, lambda workdir, rules: sorted(queued))
+    threads = [threading.Thread(target=stop.request, args=(f"stop {i}",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(scheduler.errors) == 1 and isinstance(scheduler.errors[0], RunStopped)
+    reason = str(scheduler.errors[0])
+    deadline = time.time() + 5
+    while stop.cancelled != {"11", "12"} and time.time() < deadline:
+        time.sleep(0.01)
+    queued.add("13")  # submitted by a submission under way when the stop came
+    stop.finish()  # the scheduler has returned
+    stop.thread.join(5)
+    assert not stop.thread.is_alive() and exits == [] and unlocked == []
+    record = runstop.read_record(tmp_path / "logs")
+    assert record["reason"] == reason and record["cancelled_jobs"] == ["11", "12", "13"]
+
+
+def test_a_controller_that_does_not_end_is_ended_with_its_jobs_cancelled_and_its_lock_released(tmp_path):
+    cancels = []
+
+    def cancel(workdir, rules):
+        cancels.append(time.time())
+        if len(cancels) == 1:
+            raise OSError("squeue: timed out")  # a failing squeue does not stop the enforcement
+        return ["21"]
+
+    stop, _, unlocked, exits = make(tmp_path, cancel, grace_s=0.2)
+    stop.request("the pending watcher's reason")
+    stop.thread.join(5)
+    assert exits == [1] and unlocked == [1]
+    assert len(cancels) >= 3 and stop.cancelled == {"21"}
+    assert json.loads((tmp_path / "logs" / runstop.RECORD_NAME).read_text())["cancelled_jobs"] == ["21"]
+
+
+def test_without_a_stop_the_end_cancels_nothing_and_a_new_run_clears_the_old_record(tmp_path):
+    stop, _, _, exits = make(tmp_path, lambda workdir, rules: ["31"])
+    stop.request("stopped")
+    stop.finish()
+    assert runstop.read_record(tmp_path / "logs") is not None and exits == []
+    again, scheduler, _, _ = make(tmp_path, lambda workdir, rules: pytest.fail("cancelled without a stop"))
+    assert runstop.read_record(tmp_path / "logs") is None
+    again.finish()
+    assert scheduler.errors == [] and not again.requested
