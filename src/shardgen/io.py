@@ -178,10 +178,19 @@ class Dir:
         os.fsync(self.fd)  # the rename itself survives a crash
 
     def append_line(self, name: str, line: str) -> None:
-        """Append one line (a single ``write``: whole lines even if the process dies)."""
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | _NOFOLLOW, 0o666, dir_fd=self.fd)
+        """Append one whole line, or fail loudly.
+
+        One ``write`` keeps lines whole when the process dies. A short write (a full disk) leaves a cut
+        line: it is raised as ``OSError``, and the next append first ends the cut line, so that only it
+        is lost, never the line after it (readers skip lines that do not parse).
+        """
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | _NOFOLLOW, 0o666, dir_fd=self.fd)
         try:
-            os.write(fd, (line.rstrip("\n") + "\n").encode())
+            data = (line.rstrip("\n") + "\n").encode()
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data  # the line before was cut
+            write_all(fd, data)
         finally:
             os.close(fd)
 
@@ -193,10 +202,13 @@ class Dir:
         except FileExistsError:
             return False
         try:
-            os.write(fd, data)
+            write_all(fd, data)
             os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            self.unlink(name)  # a cut file would read as someone else's; nobody has it then
+            raise
+        os.close(fd)
         return True
 
     def touch(self, name: str) -> float:
@@ -228,6 +240,21 @@ class Dir:
             return True
         except OSError:
             return False
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is written: a write may write less than asked (a full disk, a
+    signal), and only a write of nothing raises.
+
+    Raises:
+        OSError: the file system took only part of ``data`` (ENOSPC when it said why).
+    """
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, f"wrote {len(data) - len(view)} of {len(data)} bytes")
+        view = view[n:]
 
 
 _RENAME_EXCHANGE = 2  # linux/fs.h

@@ -77,3 +77,49 @@ def test_replace_dir_swaps_a_directory_in_whole(tmp_path):
     (new / "data-new.arrow").write_text("new")
     replace_dir(new, old)
     assert [p.name for p in old.iterdir()] == ["data-new.arrow"] and not new.exists()
+
+
+def short_writes(monkeypatch, fail_after_short: bool):
+    """os.write that writes half of what it is given the first time, then (``fail_after_short``)
+    fails as a full disk does, or writes the rest."""
+    real = os.write
+    calls = []
+
+    def write(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real(fd, bytes(data[: len(data) // 2]))
+        if fail_after_short:
+            raise OSError(28, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    return calls
+
+
+def test_a_short_append_is_completed_and_a_failed_one_cuts_only_its_own_line(tmp_path, monkeypatch):
+    with Dir.open(tmp_path) as d:
+        d.append_line("log.jsonl", '{"event": "start"}')
+        calls = short_writes(monkeypatch, fail_after_short=False)
+        d.append_line("log.jsonl", '{"event": "end", "outcome": "committed"}')
+        assert len(calls) == 2, "the rest was written"
+        calls = short_writes(monkeypatch, fail_after_short=True)
+        with pytest.raises(OSError, match="No space left"):
+            d.append_line("log.jsonl", '{"event": "start", "attempt": 2}')
+        monkeypatch.undo()
+        d.append_line("log.jsonl", '{"event": "end", "outcome": "failed"}')
+    lines = (tmp_path / "log.jsonl").read_text().splitlines()
+    assert lines[:2] == ['{"event": "start"}', '{"event": "end", "outcome": "committed"}']
+    assert '{"event": "start", "attempt": 2}'.startswith(lines[2]) and len(lines[2]) < 20, "the cut line stays alone"
+    assert lines[3] == '{"event": "end", "outcome": "failed"}', "the next line is whole"
+
+
+def test_a_file_created_exclusively_is_whole_or_absent(tmp_path, monkeypatch):
+    with Dir.open(tmp_path) as d:
+        short_writes(monkeypatch, fail_after_short=True)
+        with pytest.raises(OSError):
+            d.create_exclusive("claim", b'{"worker": 3, "token": "abc"}')
+        monkeypatch.undo()
+        assert not d.exists("claim"), "a cut claim would read as another holder's"
+        assert d.create_exclusive("claim", b'{"worker": 3, "token": "abc"}')
+    assert (tmp_path / "claim").read_bytes() == b'{"worker": 3, "token": "abc"}'
