@@ -197,8 +197,10 @@ class ShardJob:
         """How this attempt ended, for the next one and for the stats."""
         end = {"event": "end", **_outcome(error), "ended": _now()}
         end.update(rows_saved=self.ckpt.saved_inputs, rows_generated=counters.rows)
-        self.ckpt.log_attempt(end)
-        self.ckpt.close()
+        try:
+            self.ckpt.log_attempt(end)  # refused (ClaimLost) once the shard is another worker's
+        finally:
+            self.ckpt.close()
 
     # -- Phase 4: commit ------------------------------------------------------------------------------
 
@@ -626,9 +628,8 @@ def _outcome(error: BaseException) -> dict[str, Any]:
         return {"outcome": "interrupted", "signal": error.signal_name}
     if isinstance(error, OutOfMemory):
         return {"outcome": "out_of_memory", **error.record}
-    from shardgen.claims import ClaimLost
-
+    # (no outcome for ClaimLost: a worker that lost its claim writes no end record, ShardCheckpoint.log_attempt)
     kinds = {TooManyErrors: "too_many_errors", WrongGpus: "wrong_gpus", UnsupportedVllm: "unsupported_vllm",
-             ClaimLost: "claim_lost", WorkersLost: "workers_lost", NotMultiNode: "not_multi_node"}  # fmt: skip
+             WorkersLost: "workers_lost", NotMultiNode: "not_multi_node"}  # fmt: skip
     kind = kinds.get(type(error), "failed")
     return {"outcome": kind, "error": f"{type(error).__name__}: {error}"[:1000]}

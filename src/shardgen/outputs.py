@@ -227,7 +227,10 @@ class ShardCheckpoint:
     # -- the record of attempts -----------------------------------------------------------------
 
     def log_attempt(self, record: dict[str, Any]) -> None:
-        """Append one event (an attempt's start or end) to ``attempts.jsonl``."""
+        """Append one event (an attempt's start or end) to ``attempts.jsonl``; like every write, only while
+        the shard is still this attempt's (``guard``): a worker that lost its claim must not end the
+        attempt of the worker that took the shard over."""
+        self.guard()
         self.dir.append_line(ATTEMPTS, json.dumps(record, default=str))
 
     def attempts(self) -> list[dict[str, Any]]:

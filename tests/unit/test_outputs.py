@@ -157,3 +157,20 @@ def test_each_attempt_is_recorded_with_how_it_ended(tmp_path):
         {"attempt": 2, "host": "n2", "outcome": None},
         {"attempt": 3, "host": "n3", "outcome": None},
     ]
+
+
+def test_a_writer_that_lost_the_shard_records_nothing_in_the_new_owners_attempts(tmp_path):
+    from shardgen.claims import ClaimLost
+
+    old = checkpoint(tmp_path)
+    old.log_attempt({"event": "start", "attempt": 1, "worker": 0})
+    new = checkpoint(tmp_path)  # the worker that took the shard over after the lease
+    new.log_attempt({"event": "start", "attempt": 1, "worker": 1})
+
+    def lost():
+        raise ClaimLost("shard 00001: worker 1 took it over")
+
+    old.guard = lost  # the old worker wakes up
+    with pytest.raises(ClaimLost):
+        old.log_attempt({"event": "end", "outcome": "claim_lost"})
+    assert checkpoint(tmp_path).attempts()[-1] == {"attempt": 1, "worker": 1, "outcome": None}, "still running"
