@@ -75,9 +75,13 @@ class WrongGpus(ShardgenError):
     """The job got GPUs it cannot run on as configured (too few, without the precision asked for, a
     driver too old for the CUDA build)."""
 
+    outcome = "wrong_gpus"
+
 
 class UnsupportedVllm(ShardgenError):
     """The installed vLLM is not the version shardgen is tested with."""
+
+    outcome = "unsupported_vllm"
 
 
 def fp8_kv_cache_supported(build: str) -> bool:

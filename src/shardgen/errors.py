@@ -4,7 +4,13 @@ from __future__ import annotations
 
 
 class ShardgenError(Exception):
-    """An error shardgen explains to the user; the CLI prints it without a traceback."""
+    """An error shardgen explains to the user; the CLI prints it without a traceback.
+
+    ``outcome`` is how an attempt that ends with this error is recorded (``records``): each kind of
+    failure declares its own, and every outcome but ``committed`` and ``interrupted`` fails a shard.
+    """
+
+    outcome = "failed"
 
 
 class ConfigError(ShardgenError):

@@ -56,6 +56,8 @@ PROGRESS_SECONDS = 5.0
 class TooManyErrors(ShardgenError):
     """More than ``errors.max_rate`` of the shard's rows are per-row errors."""
 
+    outcome = "too_many_errors"
+
 
 class ErrorBudget:
     """Counts per-row errors and fails the shard as soon as the final rate must exceed ``max_rate``.

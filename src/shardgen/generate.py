@@ -31,15 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen import heads, jobinfo, memory, multinode
+from shardgen import heads, jobinfo, memory, multinode, records
 from shardgen.config import RunConfig, content_config, digest, warnings
 from shardgen.engine import Engine, EngineSettings, clear_thread_env, engine_kwargs
 from shardgen.errors import ShardgenError
-from shardgen.feed import ErrorBudget, RowInputs, ShardFeed, TooManyErrors
+from shardgen.feed import ErrorBudget, RowInputs, ShardFeed
 from shardgen.installed import vllm_version
 from shardgen.io import atomic_write_text
 from shardgen.lora import Adapters
-from shardgen.multinode import NotMultiNode, WorkersLost
+from shardgen.multinode import WorkersLost
 from shardgen.outputs import FINGERPRINT_KEY, ShardCheckpoint
 from shardgen.plan import Manifest, Shard
 from shardgen.prompts import PromptRenderer
@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 
 class Interrupted(ShardgenError):
     """The job was asked to stop (SIGTERM, SIGINT); finished rows are saved."""
+
+    outcome = records.INTERRUPTED
 
     def __init__(self, signum: int, shard_id: str) -> None:
         self.signal_name = signal.Signals(signum).name
@@ -68,6 +70,8 @@ class OutOfMemory(ShardgenError):
     ``record``: the kind, the stage, the error and the settings, kept in the attempt's entry of
     ``attempts.jsonl``.
     """
+
+    outcome = "out_of_memory"
 
     def __init__(self, message: str, record: dict[str, Any]) -> None:
         super().__init__(message)
@@ -207,7 +211,7 @@ class ShardJob:
     def commit(self, output: str | Path, stats_path: str | Path, run: AttemptRun) -> dict[str, Any]:
         """Write the shard file from its parts, then its stats; return the stats."""
         history = self.ckpt.attempts()
-        history[-1].update(outcome="committed", ended=_now(), rows_generated=run.counters.rows)
+        history[-1].update(outcome=records.COMMITTED, ended=_now(), rows_generated=run.counters.rows)
         table = self.ckpt.commit(output)
         settings = run.settings
         stats = shard_stats(
@@ -621,15 +625,12 @@ def _now() -> str:
 
 
 def _outcome(error: BaseException) -> dict[str, Any]:
-    """How an attempt ended, for its entry in ``attempts.jsonl``."""
-    from shardgen.engine import UnsupportedVllm, WrongGpus
-
+    """How an attempt ended, for its entry in ``attempts.jsonl``: the outcome the error declares
+    (``ShardgenError.outcome``; any other error is ``failed``) and what the next attempt needs of it.
+    (No ClaimLost: a worker that lost its claim writes no end record, ``ShardCheckpoint.log_attempt``.)"""
     if isinstance(error, Interrupted):
-        return {"outcome": "interrupted", "signal": error.signal_name}
+        return {"outcome": error.outcome, "signal": error.signal_name}
     if isinstance(error, OutOfMemory):
-        return {"outcome": "out_of_memory", **error.record}
-    # (no outcome for ClaimLost: a worker that lost its claim writes no end record, ShardCheckpoint.log_attempt)
-    kinds = {TooManyErrors: "too_many_errors", WrongGpus: "wrong_gpus", UnsupportedVllm: "unsupported_vllm",
-             WorkersLost: "workers_lost", NotMultiNode: "not_multi_node"}  # fmt: skip
-    kind = kinds.get(type(error), "failed")
-    return {"outcome": kind, "error": f"{type(error).__name__}: {error}"[:1000]}
+        return {"outcome": error.outcome, **error.record}
+    outcome = getattr(error, "outcome", "failed") if isinstance(error, ShardgenError) else "failed"
+    return {"outcome": outcome, "error": f"{type(error).__name__}: {error}"[:1000]}

@@ -63,9 +63,13 @@ NODE_RECORD = "shardgen-node: "
 class WorkersLost(ShardgenError):
     """The engine's workers on the job's other nodes ended while it ran."""
 
+    outcome = "workers_lost"
+
 
 class NotMultiNode(ShardgenError):
     """``resources.nodes`` > 1 outside a Slurm job over that many nodes."""
+
+    outcome = "not_multi_node"
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from shardgen import records
 from shardgen.errors import InputError
 from shardgen.io import Dir, atomic_write
 
@@ -236,21 +237,7 @@ class ShardCheckpoint:
     def attempts(self) -> list[dict[str, Any]]:
         """Each attempt so far: its start record with its end record's fields (``outcome`` None: it
         was killed without a word, or is this one)."""
-        if not self.dir.exists(ATTEMPTS):
-            return []
-        out: list[dict[str, Any]] = []
-        for line in self.dir.read_text(ATTEMPTS).splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a full disk
-            if event.get("event") == "start":
-                out.append({**event, "outcome": None})
-            elif out:
-                out[-1].update({k: v for k, v in event.items() if k != "event"})
-        for a in out:
-            a.pop("event", None)
-        return out
+        return records.read_attempts(self.dir.read_text(ATTEMPTS)) if self.dir.exists(ATTEMPTS) else []
 
     def write_progress(self, progress: dict[str, Any]) -> None:
         self.guard()

@@ -19,14 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen import cluster, runstop
+from shardgen import cluster, records, runstop
 from shardgen.claims import CLAIM_NAME, FAILED
 from shardgen.runlock import LOCK_NAME, read_owner
 
-# Attempt outcomes that fail a shard (the others: committed, interrupted, killed without a word).
-FAILURES = (
-    "failed", "too_many_errors", "out_of_memory", "wrong_gpus", "unsupported_vllm", "workers_lost", "not_multi_node",
-)  # fmt: skip
 # A running shard whose progress.json is older than this is shown as silent.
 SILENT_AFTER_S = 120.0
 
@@ -109,22 +105,10 @@ def _json(path: Path) -> Any:
 
 
 def _attempts(path: Path) -> list[dict[str, Any]]:
-    """Start records merged with their end records (as ``ShardCheckpoint.attempts`` reads them)."""
-    out: list[dict[str, Any]] = []
     try:
-        lines = path.read_text().splitlines()
+        return records.read_attempts(path.read_text())
     except OSError:
-        return out
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if event.get("event") == "start":
-            out.append({**event, "outcome": None})
-        elif out:
-            out[-1].update({k: v for k, v in event.items() if k != "event"})
-    return out
+        return []
 
 
 def read_status(
@@ -202,7 +186,7 @@ def _from_checkpoint(s: ShardState, ckpt: Path, failed_claim: bool) -> None:
     else:
         s.done = s.resumed = last.get("rows_saved") or last.get("rows_done_before") or 0
     outcome = last.get("outcome")
-    if outcome in FAILURES or failed_claim:
+    if records.is_failure(outcome) or failed_claim:
         s.state, s.error = "failed", f"{outcome}: {last.get('error') or last.get('kind') or ''}".strip(": ")
     elif outcome is None and attempts:
         s.state = "running"

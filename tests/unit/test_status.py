@@ -88,3 +88,33 @@ def test_the_status_command_prints_the_report_or_says_there_is_no_plan(tmp_path,
     assert "shards: 1 done" in capsys.readouterr().out
     assert main(["status", "--dir", str(tmp_path / "none")]) == 1
     assert "has not planned" in capsys.readouterr().out
+
+
+def test_status_reads_the_attempts_the_job_writes_and_any_failure_an_error_declares(tmp_path):
+    """Records written by the job's own writer (ShardCheckpoint.log_attempt with generate's outcome
+    of each error), not by hand; a new kind of failure shows as failed, not pending."""
+    import pyarrow as pa
+
+    from shardgen import generate
+    from shardgen.errors import ShardgenError
+    from shardgen.outputs import ShardCheckpoint
+    from shardgen.results import ResultSpec
+
+    class Preempted(ShardgenError):
+        outcome = "preempted_for_good"
+
+    shards = [{"id": f"{i:05d}", "start": 10 * i, "stop": 10 * (i + 1), "segments": []} for i in range(4)]
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "plan" / "manifest.json").write_text(json.dumps({"version": 1, "total_rows": 40, "shards": shards}))
+    schema = ResultSpec({}).schema(pa.schema([pa.field("text", pa.string())]), "fp", "cfg", "00000")
+    ends = [RuntimeError("boom"), Preempted("gone"), generate.Interrupted(15, "00002"), None]
+    for shard, error in zip(shards, ends, strict=True):
+        ck = ShardCheckpoint(tmp_path / "checkpoints" / shard["id"], shard["start"], shard["stop"], schema)
+        ck.log_attempt({"event": "start", "attempt": 1, "host": "n1", "slurm": {"job_id": "7"}})
+        if error is not None:
+            ck.log_attempt({"event": "end", **generate._outcome(error)})
+        ck.close()
+    st = read_status(tmp_path, squeue=False)
+    assert [s.state for s in st.shards] == ["failed", "failed", "pending", "running"]
+    assert st.shards[0].error == "failed: RuntimeError: boom"
+    assert st.shards[1].error == "preempted_for_good: Preempted: gone"
