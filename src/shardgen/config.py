@@ -363,8 +363,9 @@ def engine_version() -> str:
     return "unknown"
 
 
-def content_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The part of the config that decides the generated text (or pooled values)."""
+def content_config(config: dict[str, Any], engine: str | None = None) -> dict[str, Any]:
+    """The part of the config that decides the generated text (or pooled values), with the vLLM
+    version ``engine`` (default: the one the jobs run, ``engine_version``)."""
 
     def without_later_defaults(section: str, values: dict[str, Any]) -> dict[str, Any]:
         later = LATER_DEFAULTS[section]
@@ -377,7 +378,7 @@ def content_config(config: dict[str, Any]) -> dict[str, Any]:
         # the submission order decides speed, not text
         "prompt": without_later_defaults("prompt", {k: v for k, v in config["prompt"].items() if k != "order"}),
         "model": without_later_defaults("model", model),
-        "engine_version": engine_version(),
+        "engine_version": engine or engine_version(),
     }
     if task == "generate":  # the fingerprints of generation runs made before `task` existed stay as they were
         out["sampling"] = config.get("sampling", {})
@@ -393,9 +394,9 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def content_fingerprint(config: dict[str, Any]) -> str:
+def content_fingerprint(config: dict[str, Any], engine: str | None = None) -> str:
     """Changes exactly when the text a row would get can change."""
-    return digest(content_config(config))
+    return digest(content_config(config, engine))
 
 
 # -- The typed config ------------------------------------------------------------------------------
@@ -636,8 +637,14 @@ class RunConfig:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """Changes exactly when the text a row would get can change (``content_fingerprint``)."""
+        """Changes exactly when the text a row would get can change (``content_fingerprint``), with the
+        vLLM the jobs run."""
         return content_fingerprint(self.raw)
+
+    def fingerprint_with(self, engine: str) -> str:
+        """The fingerprint with another vLLM version: the one a shard records it was made with (merge
+        runs where vLLM may not be installed, and must not ask its own environment)."""
+        return content_fingerprint(self.raw, engine)
 
 
 # The typed section of each schema section (model and sampling are argument mappings).

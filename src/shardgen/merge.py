@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,19 +33,26 @@ from shardgen.trust import published_sampling
 BATCH_ROWS = 8192
 
 
-def _check_shards(manifest: Manifest, shard_dir: Path, expected: str) -> tuple[RunTotals, dict[str, Any], str | None]:
-    """Check every shard file against the plan and the run's config fingerprint (``expected``), summing
-    their stats.
+def _check_shards(
+    manifest: Manifest, shard_dir: Path, expected: Callable[[str | None], str]
+) -> tuple[RunTotals, dict[str, Any], str | None]:
+    """Check every shard file against the plan and the run's config fingerprint, summing their stats.
+
+    ``expected(version)`` is the run's fingerprint with the vLLM version a shard's stats record it was
+    made with: what decides the merge comes from the run, not from the merging process, which may
+    have no vLLM (the light environment of a conda run). One output comes from one vLLM version.
 
     Returns the run's totals, the first shard's stats (for the provenance) and
     the shared config fingerprint.
 
     Raises:
         MergeError: naming every shard that is missing, incomplete, repeated, foreign, or made with
-            another configuration than this run's.
+            another configuration or another vLLM version than the others or than this run's.
     """
     problems: list[str] = []
     fingerprints: dict[str, list[str]] = {}
+    versions: dict[str, list[str]] = {}
+    foreign: list[str] = []
     run = RunTotals()
     first: dict[str, Any] = {}
     for shard in manifest.shards:
@@ -64,32 +71,43 @@ def _check_shards(manifest: Manifest, shard_dir: Path, expected: str) -> tuple[R
         if missing or repeated:
             problems.append(f"shard {shard.id}: {missing} rows missing, {repeated} rows repeated")
         stats_file = shard_dir / f"{shard.id}.stats.json"
-        if stats_file.exists():
-            stats = json.loads(stats_file.read_text())
-            first = first or stats
-            run.add(stats)
-            if stats.get("engine", {}).get("args") != first.get("engine", {}).get("args"):
-                # an attempt after running out of memory uses lower memory settings
-                run.shards[-1]["engine_args"] = stats.get("engine", {}).get("args")
-        else:
+        if not stats_file.exists():
             problems.append(f"shard {shard.id}: stats file {stats_file} missing")
-    if len(fingerprints) > 1:
-        groups = "; ".join(
-            f"{fp or 'none'}: shards {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}"
-            for fp, ids in fingerprints.items()
-        )
-        problems.append(f"the shards were made with {len(fingerprints)} different configurations ({groups})")
-    foreign = [ids for fp, ids in fingerprints.items() if fp != expected]
-    if foreign and len(fingerprints) == 1:
-        ids = foreign[0]
+            continue
+        stats = json.loads(stats_file.read_text())
+        version = stats.get("engine", {}).get("vllm_version")
+        versions.setdefault(version or "unknown", []).append(shard.id)
+        if fp != expected(version):
+            foreign.append(shard.id)
+        first = first or stats
+        run.add(stats)
+        if stats.get("engine", {}).get("args") != first.get("engine", {}).get("args"):
+            # an attempt after running out of memory uses lower memory settings
+            run.shards[-1]["engine_args"] = stats.get("engine", {}).get("args")
+    if len(versions) > 1:
+        problems.append(f"the shards were made with {len(versions)} versions of vLLM ({_groups(versions)}); "
+                        "one output comes from one engine: rerun the workflow with one vLLM, which redoes the "
+                        "others")  # fmt: skip
+    elif len(fingerprints) > 1:
+        problems.append(f"the shards were made with {len(fingerprints)} different configurations "
+                        f"({_groups(fingerprints)})")  # fmt: skip
+    elif foreign:
         problems.append(
             f"the shards were made with another configuration ({next(iter(fingerprints)) or 'none'}) than this run's "
-            f"({expected}): shards {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}; rerun the workflow with "
-            "this config, which redoes them"
+            f"({expected(next(iter(versions), None))}): shards {_ids(foreign)}; rerun the workflow with this config, "
+            "which redoes them"
         )
     if problems:
         raise MergeError("merge refused:\n  " + "\n  ".join(problems))
     return run, first, next(iter(fingerprints), None)
+
+
+def _ids(ids: list[str]) -> str:
+    return f"{', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}"
+
+
+def _groups(groups: dict[str, list[str]]) -> str:
+    return "; ".join(f"{key or 'none'}: shards {_ids(ids)}" for key, ids in groups.items())
 
 
 def provenance(config: RunConfig, first: dict[str, Any], run: RunTotals, config_fp: str | None) -> dict[str, Any]:
@@ -140,7 +158,9 @@ def merge(
     """
     manifest = Manifest.load(manifest_path)
     shard_dir = Path(shard_dir)
-    run, first, config_fp = _check_shards(manifest, shard_dir, config.fingerprint)
+    run, first, config_fp = _check_shards(
+        manifest, shard_dir, lambda version: config.fingerprint_with(version) if version else config.fingerprint
+    )
     prov = provenance(config, first, run, config_fp)
 
     def empty() -> pa.Schema:  # the schema of an output without rows (input.allow_empty)

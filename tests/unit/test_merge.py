@@ -39,10 +39,11 @@ def merge(*args, **output):
     return merge_files(config(**output), *args)
 
 
-def write_shard(shard_dir, shard_id, indexes, config_fp=None, samples=1):
-    """A shard file as a generate job writes it, made with ``config()`` unless ``config_fp`` says otherwise."""
+def write_shard(shard_dir, shard_id, indexes, config_fp=None, samples=1, vllm=None):
+    """A shard file as a generate job writes it, made with ``config()`` unless ``config_fp`` says otherwise
+    (``vllm``: the vLLM version the job ran, which its fingerprint and stats record)."""
     shard_dir.mkdir(parents=True, exist_ok=True)
-    config_fp = config_fp or config().fingerprint
+    config_fp = config_fp or (config().fingerprint_with(vllm) if vllm else config().fingerprint)
     spec = ResultSpec({"n": samples}, samples="rows")
     schema = spec.schema(INPUT, f"fp-{shard_id}", config_fp, shard_id)
     rows = [
@@ -73,7 +74,7 @@ def write_shard(shard_dir, shard_id, indexes, config_fp=None, samples=1):
         "wall_seconds": 3.0,
         "gpu_hours": 0.001,
         "histograms": {"ttft_s": {"10": len(rows)}},
-    }
+    } | ({"engine": {"vllm_version": vllm}} if vllm else {})
     (shard_dir / f"{shard_id}.stats.json").write_text(json.dumps(stats))
 
 
@@ -191,3 +192,24 @@ def test_push_to_hub_sends_the_merged_rows_with_the_token_from_the_environment_o
     assert repo == "org/reviews-labelled" and rows == 10 and "token" not in kwargs and kwargs["private"] is True
     assert record == {"repo_id": "org/reviews-labelled", "rows": 10, "commit": "abc123"}
     assert "hf_Secret" not in (tmp_path / "pushed.json").read_text()
+
+
+def test_merge_decides_from_the_vllm_the_shards_were_made_with_not_from_its_own_environment(tmp_path, monkeypatch):
+    """The conda deployment merges in an environment without vLLM: its own probe says 'unknown'."""
+    from shardgen import config as cfg
+
+    for shard_id, a, b in PLAN:
+        write_shard(tmp_path / "shards", shard_id, range(a, b), vllm="0.32.0")
+    monkeypatch.setattr(cfg, "engine_version", lambda: "unknown")
+    assert config().fingerprint != config().fingerprint_with("0.32.0"), "the merging process cannot see vLLM"
+    stats = merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "out.parquet", tmp_path / "stats.json")
+    assert stats["rows"] == 10 and stats["provenance"]["vllm_version"] == "0.32.0"
+
+
+def test_merge_refuses_shards_made_with_different_vllm_versions_naming_them(tmp_path):
+    for (shard_id, a, b), version in zip(PLAN, ["0.32.0", "0.32.0", "0.33.1"], strict=True):
+        write_shard(tmp_path / "shards", shard_id, range(a, b), vllm=version)
+    with pytest.raises(
+        MergeError, match=r"2 versions of vLLM \(0\.32\.0: shards 00000, 00001; 0\.33\.1: shards 00002\)"
+    ):
+        merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "out.parquet", tmp_path / "stats.json")
