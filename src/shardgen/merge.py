@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,15 +36,16 @@ BATCH_ROWS = 8192
 
 def _check_shards(
     manifest: Manifest, shard_dir: Path, expected: Callable[[str | None], str]
-) -> tuple[RunTotals, dict[str, Any], str | None]:
+) -> tuple[RunTotals, dict[str, Any], str | None, dict[str, tuple[int, ...]]]:
     """Check every shard file against the plan and the run's config fingerprint, summing their stats.
 
     ``expected(version)`` is the run's fingerprint with the vLLM version a shard's stats record it was
     made with: what decides the merge comes from the run, not from the merging process, which may
     have no vLLM (the light environment of a conda run). One output comes from one vLLM version.
 
-    Returns the run's totals, the first shard's stats (for the provenance) and
-    the shared config fingerprint.
+    Returns the run's totals, the first shard's stats (for the provenance), the shared config
+    fingerprint, and each shard file's identity as it was checked (``_identity``), which the copy
+    holds it to.
 
     Raises:
         MergeError: naming every shard that is missing, incomplete, repeated, foreign, or made with
@@ -53,20 +55,26 @@ def _check_shards(
     fingerprints: dict[str, list[str]] = {}
     versions: dict[str, list[str]] = {}
     foreign: list[str] = []
+    identities: dict[str, tuple[int, ...]] = {}
     run = RunTotals()
     first: dict[str, Any] = {}
     for shard in manifest.shards:
         path = shard_dir / f"{shard.id}.parquet"
-        if not path.exists():
+        try:
+            f = open(path, "rb")  # one open for every check of this file
+        except FileNotFoundError:
             problems.append(f"shard {shard.id}: output missing ({shard.rows} rows)")
             continue
-        schema = pq.read_schema(path)
+        with f:
+            identities[shard.id] = _identity(f)
+            pf = pq.ParquetFile(f)
+            schema = pf.schema_arrow
+            index = pf.read(columns=["row_index"]).column(0).to_numpy()
         meta = schema.metadata or {}
         fp = meta.get(CONFIG_KEY, b"").decode()
         if meta.get(SHARD_KEY, b"").decode() != shard.id:
             problems.append(f"shard {shard.id}: the file {path} belongs to another shard")
         fingerprints.setdefault(fp, []).append(shard.id)
-        index = pq.read_table(path, columns=["row_index"]).column(0).to_numpy()
         missing, repeated = count_problems(index, shard.start, shard.stop, rows_per_input(schema))
         if missing or repeated:
             problems.append(f"shard {shard.id}: {missing} rows missing, {repeated} rows repeated")
@@ -99,7 +107,13 @@ def _check_shards(
         )
     if problems:
         raise MergeError("merge refused:\n  " + "\n  ".join(problems))
-    return run, first, next(iter(fingerprints), None)
+    return run, first, next(iter(fingerprints), None), identities
+
+
+def _identity(f: Any) -> tuple[int, ...]:
+    """What tells one file from its replacement: shards are replaced by a rename, a new inode."""
+    st = os.fstat(f.fileno())
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _ids(ids: list[str]) -> str:
@@ -132,12 +146,21 @@ def provenance(config: RunConfig, first: dict[str, Any], run: RunTotals, config_
     }
 
 
-def _batches(manifest: Manifest, shard_dir: Path) -> Iterator[tuple[pa.Schema, pa.RecordBatch]]:
+def _batches(
+    manifest: Manifest, shard_dir: Path, checked: dict[str, tuple[int, ...]]
+) -> Iterator[tuple[pa.Schema, pa.RecordBatch]]:
+    """The shards' rows, from the very files ``_check_shards`` checked: a file replaced since (another
+    run committing the shard) stops the merge, which then writes nothing."""
     for shard in manifest.shards:
-        pf = pq.ParquetFile(shard_dir / f"{shard.id}.parquet")
-        schema = pf.schema_arrow.remove_metadata()
-        for batch in pf.iter_batches(batch_size=BATCH_ROWS):
-            yield schema, batch
+        with open(shard_dir / f"{shard.id}.parquet", "rb") as f:
+            if _identity(f) != checked[shard.id]:
+                raise MergeError(
+                    f"merge refused: shard {shard.id}: its file {shard_dir / f'{shard.id}.parquet'} was replaced "
+                    "while the merge ran (another run of this output directory?); nothing was written. Rerun"
+                )
+            pf = pq.ParquetFile(f)
+            schema = pf.schema_arrow.remove_metadata()
+            yield from ((schema, batch) for batch in pf.iter_batches(batch_size=BATCH_ROWS))
 
 
 def merge(
@@ -158,7 +181,7 @@ def merge(
     """
     manifest = Manifest.load(manifest_path)
     shard_dir = Path(shard_dir)
-    run, first, config_fp = _check_shards(
+    run, first, config_fp, checked = _check_shards(
         manifest, shard_dir, lambda version: config.fingerprint_with(version) if version else config.fingerprint
     )
     prov = provenance(config, first, run, config_fp)
@@ -169,7 +192,7 @@ def merge(
         head = heads.read_for(load_record(model_record)) if model_record and config.task != "generate" else None
         return result_spec(config, head).schema(manifest.source().schema).remove_metadata()
 
-    formats.write(config.output.format, output, _batches(manifest, shard_dir), empty, prov)
+    formats.write(config.output.format, output, _batches(manifest, shard_dir, checked), empty, prov)
     stats = run.result()
     stats["config_fingerprint"] = config_fp
     stats["provenance"] = prov

@@ -213,3 +213,21 @@ def test_merge_refuses_shards_made_with_different_vllm_versions_naming_them(tmp_
         MergeError, match=r"2 versions of vLLM \(0\.32\.0: shards 00000, 00001; 0\.33\.1: shards 00002\)"
     ):
         merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "out.parquet", tmp_path / "stats.json")
+
+
+def test_a_shard_replaced_after_it_was_checked_stops_the_merge_before_anything_is_written(tmp_path, monkeypatch):
+    from shardgen import merge as merge_module
+
+    complete(tmp_path)
+    check = merge_module._check_shards
+
+    def check_then_replace(*args):
+        checked = check(*args)
+        # another run commits the same shard between the check and the copy: same rows, another file
+        write_shard(tmp_path / "shards", "00001", range(4, 8), config_fp="another-config")
+        return checked
+
+    monkeypatch.setattr(merge_module, "_check_shards", check_then_replace)
+    with pytest.raises(MergeError, match="shard 00001: its file .* was replaced while the merge ran"):
+        merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "out.parquet", tmp_path / "stats.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "shards"], "no output, no stats"
