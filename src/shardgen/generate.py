@@ -203,16 +203,28 @@ class ShardJob:
         end.update(rows_saved=self.ckpt.saved_inputs, rows_generated=counters.rows)
         try:
             self.ckpt.log_attempt(end)  # refused (ClaimLost) once the shard is another worker's
+        except OSError as e:  # a full disk: the error that ended the attempt is the one to raise
+            log.warning("shard %s: could not record how the attempt ended: %s", self.shard.id, e)
         finally:
             self.ckpt.close()
 
     # -- Phase 4: commit ------------------------------------------------------------------------------
 
     def commit(self, output: str | Path, stats_path: str | Path, run: AttemptRun) -> dict[str, Any]:
-        """Write the shard file from its parts, then its stats; return the stats."""
+        """Write the shard file from its parts, then its stats, then remove the parts (``ShardCheckpoint.
+        commit``: a failure in between leaves the parts for the retry); return the stats."""
         history = self.ckpt.attempts()
         history[-1].update(outcome=records.COMMITTED, ended=_now(), rows_generated=run.counters.rows)
-        table = self.ckpt.commit(output)
+        out: dict[str, Any] = {}
+
+        def write_stats(table: Any) -> None:
+            out.update(self._stats(table, history, run))
+            atomic_write_text(stats_path, json.dumps(out, indent=1, default=str) + "\n", below=self.config.output.dir)
+
+        self.ckpt.commit(output, write_stats)
+        return out
+
+    def _stats(self, table: Any, history: list[dict[str, Any]], run: AttemptRun) -> dict[str, Any]:
         settings = run.settings
         stats = shard_stats(
             self.shard,
@@ -259,7 +271,6 @@ class ShardJob:
             cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             thread_env_removed=self.removed_env,
         )
-        atomic_write_text(stats_path, json.dumps(stats, indent=1, default=str) + "\n", below=self.config.output.dir)
         return stats
 
 
@@ -318,10 +329,10 @@ def run_shard(
             counters = AttemptCounters()
             try:
                 run = _run(job, engine, stop, counters, window)
+                return job.commit(output, stats_path, run)
             except BaseException as e:
                 job.record_end(e, counters)
                 raise
-            return job.commit(output, stats_path, run)
     finally:
         if own:
             engine.close()

@@ -245,8 +245,11 @@ class ShardCheckpoint:
 
     # -- commit -----------------------------------------------------------------------------------
 
-    def commit(self, path: str | Path) -> pa.Table:
-        """Assemble the shard file from the parts, in input order, then remove the parts.
+    def commit(self, path: str | Path, write_stats: Callable[[pa.Table], None]) -> pa.Table:
+        """Assemble the shard file from the parts, in input order; then ``write_stats(table)``; only then
+        remove the parts. A failure before the stats are written (a full disk, a kill) leaves the parts,
+        which the next attempt resumes whole: a shard file and its stats are both there before anything
+        the retry needs goes.
 
         Only the parts read or written here and shardgen's own records are
         removed, and the directory only when nothing else is left in it.
@@ -262,6 +265,8 @@ class ShardCheckpoint:
             raise InputError(f"shard rows [{self.start}, {self.stop}): {missing} missing, {extra} repeated")
         self.guard()
         write_table(table.replace_schema_metadata(self.schema.metadata), path, self.below)
+        self.guard()
+        write_stats(table)
         for name in [*self._parts, ATTEMPTS, PROGRESS]:
             self.dir.unlink(name)
         self.close()

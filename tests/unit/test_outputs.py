@@ -39,7 +39,7 @@ def test_a_restarted_shard_resumes_the_rows_of_its_parts(tmp_path):
     again = checkpoint(tmp_path)
     assert again.resume() == {10, 11, 13}
     again.flush(rows([12, 14, 15, 16, 17, 18, 19]))
-    table = again.commit(tmp_path / "shard.parquet")
+    table = again.commit(tmp_path / "shard.parquet", lambda table: None)
     assert table.column("row_index").to_pylist() == list(range(10, 20))
     assert pq.read_table(tmp_path / "shard.parquet").column("generation").to_pylist()[0] == "g10"
     assert not (tmp_path / "ck").exists(), "parts are removed once the shard file is committed"
@@ -77,7 +77,7 @@ def test_commit_refuses_an_incomplete_shard(tmp_path):
     ck = checkpoint(tmp_path)
     ck.flush(rows([10, 11]))
     with pytest.raises(InputError, match="8 missing"):
-        ck.commit(tmp_path / "shard.parquet")
+        ck.commit(tmp_path / "shard.parquet", lambda table: None)
     assert not (tmp_path / "shard.parquet").exists()
 
 
@@ -130,7 +130,7 @@ def test_files_shardgen_did_not_write_are_left_alone_through_resume_and_commit(t
     assert again.resume() == set(range(10, 15))
     assert sorted(again.foreign) == sorted([*foreign, "part-000007.parquet"])
     again.flush(rows(range(15, 20)))
-    assert again.commit(tmp_path / "shard.parquet").num_rows == 10
+    assert again.commit(tmp_path / "shard.parquet", lambda table: None).num_rows == 10
     left = {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir() if p.name in foreign}
     assert left == foreign, "foreign files are kept as they were"
     assert {p.name for p in (tmp_path / "ck").iterdir()} == {*foreign, "part-000007.parquet"}
@@ -174,3 +174,22 @@ def test_a_writer_that_lost_the_shard_records_nothing_in_the_new_owners_attempts
     with pytest.raises(ClaimLost):
         old.log_attempt({"event": "end", "outcome": "claim_lost"})
     assert checkpoint(tmp_path).attempts()[-1] == {"attempt": 1, "worker": 1, "outcome": None}, "still running"
+
+
+def test_a_commit_that_fails_before_its_stats_are_written_keeps_the_parts_for_the_retry(tmp_path):
+    ck = checkpoint(tmp_path)
+    ck.resume()
+    ck.flush(rows(range(10, 15)))
+    ck.flush(rows(range(15, 20)))
+
+    def full_disk(table):
+        assert table.num_rows == 10 and (tmp_path / "shard.parquet").exists(), "the shard file comes first"
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        ck.commit(tmp_path / "shard.parquet", full_disk)
+    again = checkpoint(tmp_path)
+    assert again.resume() == set(range(10, 20)), "the retry resumes every row"
+    written = []
+    again.commit(tmp_path / "shard.parquet", written.append)
+    assert [t.num_rows for t in written] == [10] and not (tmp_path / "ck").exists()
