@@ -1,4 +1,8 @@
-"""Claims on shards, for elastic workers (``shards.workers``).
+"""Claims on shards: who may write a shard, in every mode.
+
+Every generate job owns the shards it writes through a claim: an elastic
+worker (``shards.workers``) for each shard it takes, a job of one shard (or
+of ``shards.per_job`` shards) for each of its shards (``ClaimBoard.acquire``).
 
 W worker jobs take shards from the plan until none is left. A worker claims a
 shard by creating ``claims/<shard>.<generation>.claim`` with ``O_EXCL``: of
@@ -17,8 +21,14 @@ write and abandons the shard without writing (``ClaimLost``). Generations make
 takeover free of races: two workers that both find g stale both try g+1, and
 one of them gets it.
 
-A worker that Snakemake retries (the same worker index) takes its own claims
-back first and carries on. A shard that failed with an error (not a kill or a
+A claim is never taken from a holder that is still alive: a retry that
+overlaps its dying attempt (a time limit under KillWait, ``scancel``, a
+preemption's grace), or a job of a rerun while an orphan of a killed
+controller still runs, waits until the holder is gone (``holder_gone``:
+Slurm no longer lists its job as running, or its process on this host has
+ended) or its heartbeat is older than the lease. A worker that Snakemake
+retries (the same worker index) takes its own claims back first, once its
+earlier attempt is gone, and carries on. A shard that failed with an error (not a kill or a
 signal) is marked ``<shard>.<g>.failed``: only the retry of the worker that
 held it tries it again, so one bad shard fails one worker, as it fails one job
 when each shard is a job, instead of every worker in turn. A committed shard's
@@ -55,6 +65,53 @@ MAX_WAIT_S = 30.0
 
 class ClaimLost(ShardgenError):
     """Another worker took this shard over (this worker's heartbeat stopped for longer than the lease)."""
+
+
+# squeue's states of a job whose processes may still run (COMPLETING: Slurm is still ending them).
+ALIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING",
+                "STAGE_OUT", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SPECIAL_EXIT")  # fmt: skip
+
+
+def slurm_job_state(job_id: str) -> str | None:
+    """The state ``squeue`` shows for a job ('' once Slurm has forgotten it); None when squeue cannot be asked."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:  # "Invalid job id specified": purged since it ended
+        return "" if "Invalid job id" in out.stderr else None
+    return out.stdout.strip()
+
+
+def holder_gone(
+    record: dict[str, Any] | None,
+    job_state: Callable[[str], str | None] = slurm_job_state,
+    own_worker: int | None = None,
+    own_token: str | None = None,
+) -> bool:
+    """Whether the holder a claim file names can no longer write: its Slurm job has ended (Slurm is
+    asked; a job Slurm still ends, COMPLETING, is not gone), or, outside Slurm, its process on this
+    host has. False when that cannot be known: the lease decides then."""
+    if not record:
+        return False
+    job = record.get("job_id")
+    if job and job != os.environ.get("SLURM_JOB_ID"):
+        state = job_state(str(job))
+        return state is not None and state not in ALIVE_STATES
+    if record.get("host") == jobinfo.host() and isinstance(record.get("pid"), int):
+        if record["pid"] == os.getpid():
+            # this process runs one attempt of a worker's shard at a time: another token of the same
+            # worker is an attempt that has ended here (tests run shards again in one process)
+            return record.get("worker") == own_worker and record.get("token") != own_token
+        try:
+            os.kill(record["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+    return False
 
 
 @dataclass(frozen=True)
@@ -171,6 +228,7 @@ class ClaimBoard:
         lease_s: a claim whose heartbeat is older is taken over.
         below: the output directory (no symlink between it and ``directory``).
         sleep: how to wait for a silent claim's lease to run out (tests pass a fake).
+        job_state: how Slurm is asked for a holder's job (``slurm_job_state``; tests pass a fake).
     """
 
     def __init__(
@@ -180,8 +238,10 @@ class ClaimBoard:
         lease_s: float,
         below: str | Path | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        job_state: Callable[[str], str | None] = slurm_job_state,
     ) -> None:
         self.dir = Dir.open(directory, below=below)
+        self._job_state = job_state
         self.holder = holder
         self.lease_s = float(lease_s)
         self.heartbeat_s = self.lease_s / BEATS_PER_LEASE
@@ -222,6 +282,36 @@ class ClaimBoard:
         except (OSError, ValueError):
             return None
 
+    def gone(self, record: dict[str, Any] | None, age: float, ask: bool = True) -> bool:
+        """Whether a claim's holder can no longer write: its heartbeat is older than the lease, or (when
+        ``ask``) it has ended (``holder_gone``: one squeue call)."""
+        return age > self.lease_s or (
+            ask and holder_gone(record, self._job_state, self.holder.worker, self.holder.token)
+        )
+
+    def acquire(self, shard: str) -> Claim:
+        """The shard's claim for a job that must write it (one job per shard, or ``per_job``): at once
+        when nobody holds it; else once its holder is gone (``gone``), looking again every heartbeat.
+        A dying attempt that still saves its rows, or an orphaned job of a killed controller that still
+        runs, keeps the shard until it ends."""
+        said = False
+        while True:
+            seen = self.scan().get(shard)
+            if seen is None:
+                claim = self.claim(shard)
+            else:
+                record = self.holder_of(seen)
+                if not self.gone(record, self.now() - seen.mtime):
+                    if not said:
+                        log.warning("shard %s: %s still holds it; waiting until it has ended (lease %g s)", shard,
+                                    _who(record), self.lease_s)  # fmt: skip
+                        said = True
+                    self._sleep(self.heartbeat_s)
+                    continue
+                claim = self.claim(shard, seen.generation + 1, took_over=record)
+            if claim is not None:
+                return claim
+
     def claim(self, shard: str, generation: int = 1, took_over: dict | None = None) -> Claim | None:
         """Create generation ``generation`` of the shard's claim; None when another worker did first."""
         name = claim_name(shard, generation)
@@ -251,12 +341,12 @@ class ClaimBoard:
             for s in sorted(seen.values(), key=lambda s: s.shard):
                 record = self.holder_of(s)
                 mine = record is not None and record.get("worker") == self.holder.worker
-                if mine and record.get("token") != self.holder.token:
+                if mine and record.get("token") != self.holder.token and self.gone(record, now - s.mtime):
                     claim = self.claim(s.shard, s.generation + 1, took_over=record)
                     if claim is not None:
                         log.info("shard %s: taken back from this worker's earlier attempt", s.shard)
                         return claim
-                elif not mine and not s.failed:
+                elif mine or not s.failed:  # mine: this worker's earlier attempt, still saving its rows
                     others.append((s, record))
             for shard in shard_ids:
                 if shard not in seen and not is_done(shard):
@@ -266,12 +356,17 @@ class ClaimBoard:
             waits, unknown = [], []
             for s, record in sorted(others, key=lambda o: o[0].mtime):
                 age = now - s.mtime
-                if age > self.lease_s:
+                mine = record is not None and record.get("worker") == self.holder.worker
+                # Slurm is asked only about a holder that stopped renewing (or this worker's own earlier
+                # attempt): one squeue call per such claim, not one per claim of a thousand workers.
+                if self.gone(record, age, ask=mine or age > 2 * self.heartbeat_s):
                     claim = self.claim(s.shard, s.generation + 1, took_over=record)
                     if claim is not None:
                         log.warning("shard %s: heartbeat %.0f s old (lease %g s); taken over from %s",
                                     s.shard, age, self.lease_s, _who(record))  # fmt: skip
                         return claim
+                elif mine:  # never leave it: wait for the earlier attempt to end
+                    waits.append(self.heartbeat_s - 1.0)
                 elif age > 2 * self.heartbeat_s or s.mtime <= watched.get(s.name, -1.0):
                     waits.append(self.lease_s - age)
                 elif s.name not in watched:
@@ -292,4 +387,5 @@ def _who(record: dict[str, Any] | None) -> str:
     if not record:
         return "an unknown worker"
     job = f", Slurm job {record['job_id']}" if record.get("job_id") else ""
-    return f"worker {record.get('worker')} on {record.get('host')}{job}"
+    who = f"worker {record.get('worker')}" if (record.get("worker") or 0) >= 0 else "the job"
+    return f"{who} on {record.get('host')}{job} (pid {record.get('pid')})"

@@ -270,19 +270,45 @@ def is_run_job(job: QueuedJob, workdir: str, rules: Iterable[str]) -> bool:
     )
 
 
+def run_jobs(workdir: str, rules: Iterable[str], run: Callable[[list[str]], str] | None = None) -> list[QueuedJob]:
+    """The queued and running Slurm jobs of the run in ``workdir`` (``is_run_job``).
+
+    Raises:
+        OSError, subprocess.SubprocessError: squeue could not be asked.
+    """
+    rules = tuple(rules)
+    jobs = parse_squeue((run or _run)(["squeue", "--me", "-h", "-o", SQUEUE_FORMAT]))
+    return [job for job in jobs if job.state not in FINAL_STATES and is_run_job(job, workdir, rules)]
+
+
+def earlier_jobs_warning(
+    workdir: str, rules: Iterable[str], run: Callable[[list[str]], str] | None = None
+) -> str | None:
+    """At a run's start: the jobs an earlier run of ``workdir`` left in Slurm (a killed controller's
+    run on, and keep the shards they write), for a warning; None when there are none or squeue fails."""
+    try:
+        earlier = run_jobs(workdir, rules, run)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if not earlier:
+        return None
+    ids = " ".join(job.job_id for job in earlier)
+    return (
+        f"{len(earlier)} Slurm job(s) of an earlier run of this directory are still queued or running ({ids}); this "
+        f"run's job for a shard one of them writes waits for it to end. To stop them instead: scancel {ids}"
+    )
+
+
 def cancel_run_jobs(workdir: str, rules: Iterable[str], run: Callable[[list[str]], str] | None = None) -> list[str]:
-    """Cancel the queued and running Slurm jobs of the run in ``workdir`` (``is_run_job``), by job id
+    """Cancel the queued and running Slurm jobs of the run in ``workdir`` (``run_jobs``), by job id
     with ``scancel`` as the executor plugin cancels them. Returns the ids it cancelled.
 
     Raises:
         OSError, subprocess.SubprocessError: squeue or scancel could not be asked.
     """
-    run = run or _run
-    rules = tuple(rules)
-    jobs = parse_squeue(run(["squeue", "--me", "-h", "-o", SQUEUE_FORMAT]))
-    ids = [job.job_id for job in jobs if job.state not in FINAL_STATES and is_run_job(job, workdir, rules)]
+    ids = [job.job_id for job in run_jobs(workdir, rules, run)]
     if ids:
-        run(["scancel", *ids])
+        (run or _run)(["scancel", *ids])
     return ids
 
 

@@ -310,7 +310,8 @@ def run_shard(
         model_record: where the fetch step found the model (``fetch.resolve_model``);
             when None, it is looked up on the local disk only.
         window: requests kept in flight (default: twice the engine's ``max_num_seqs``).
-        guard: called before every write of the shard's files (an elastic worker's claim check).
+        guard: called before every write of the shard's files: an elastic worker's claim check. Without
+            one, the job owns the shard through a claim of its own (``_own``) before it reads anything.
         stop: the job's stop flag, when the job runs several shards: a signal that came during an
             earlier shard (its commit, say) stops this one before it starts. By default one of its own.
 
@@ -325,17 +326,46 @@ def run_shard(
         with contextlib.nullcontext(stop) if stop is not None else _StopFlag() as stop:
             if stop():
                 raise Interrupted(stop.signal, shard_id)
-            job = ShardJob.prepare(config, manifest_path, shard_id, model_record, guard)
-            counters = AttemptCounters()
-            try:
-                run = _run(job, engine, stop, counters, window)
-                return job.commit(output, stats_path, run)
-            except BaseException as e:
-                job.record_end(e, counters)
-                raise
+            with contextlib.nullcontext() if guard else _own(config, shard_id, stop) as claim:
+                if claim is not None and Path(output).exists():  # Snakemake removed it before this job
+                    manifest = Manifest.load(manifest_path)
+                    files = (Path(output), Path(stats_path))
+                    if committed(config, manifest, manifest.shard(shard_id), Path(output).parent, files):
+                        # the job that held the shard (an orphan of a killed controller) committed it
+                        log.info("shard %s: committed meanwhile by the job that held it; kept", shard_id)
+                        claim.release()
+                        return json.loads(Path(stats_path).read_text())
+                job = ShardJob.prepare(config, manifest_path, shard_id, model_record, guard or claim.check)
+                counters = AttemptCounters()
+                try:
+                    run = _run(job, engine, stop, counters, window)
+                    stats = job.commit(output, stats_path, run)
+                except BaseException as e:
+                    job.record_end(e, counters)
+                    raise
+                if claim is not None:
+                    claim.release()
+                return stats
     finally:
         if own:
             engine.close()
+
+
+@contextlib.contextmanager
+def _own(config: RunConfig, shard_id: str, stop: _StopFlag) -> Iterator[Any]:
+    """This job's claim on a shard (``claims.ClaimBoard.acquire``), its heartbeat renewed while it runs:
+    a retry overlapping its dying attempt, or a rerun's job beside an orphan of a killed controller,
+    waits until the other is gone instead of writing beside it. A signal stops the wait."""
+    from shardgen.claims import ClaimBoard, Holder
+
+    out_dir = Path(config.output.dir)
+    board = ClaimBoard(out_dir / "claims", Holder.here(-1), config.shards.lease_seconds, below=out_dir,
+                       sleep=lambda seconds: stop.sleep(seconds, shard_id))  # fmt: skip
+    try:
+        with board.acquire(shard_id) as claim:
+            yield claim
+    finally:
+        board.close()
 
 
 def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounters, window: int | None) -> AttemptRun:
@@ -505,12 +535,15 @@ def run_worker(
     return record
 
 
-def committed(config: RunConfig, manifest: Manifest, shard: Shard, shard_dir: Path) -> bool:
-    """Whether the shard's file and stats are already there, made with this config and input."""
+def committed(
+    config: RunConfig, manifest: Manifest, shard: Shard, shard_dir: Path, files: tuple[Path, Path] | None = None
+) -> bool:
+    """Whether the shard's file and stats (in ``shard_dir``, or ``files``) are already there, made with
+    this config and input."""
     import pyarrow.parquet as pq
 
-    path = shard_dir / f"{shard.id}.parquet"
-    if not path.exists() or not (shard_dir / f"{shard.id}.stats.json").exists():
+    path, stats = files or (shard_dir / f"{shard.id}.parquet", shard_dir / f"{shard.id}.stats.json")
+    if not path.exists() or not stats.exists():
         return False
     meta = pq.read_schema(path).metadata or {}
     return meta.get(FINGERPRINT_KEY, b"").decode() == shard_fingerprint(config, manifest, shard)
@@ -593,6 +626,14 @@ class _StopFlag:
             yield
         finally:
             self._raise_for = None
+
+    def sleep(self, seconds: float, shard_id: str) -> None:
+        """Wait ``seconds``, or raise ``Interrupted`` as soon as a signal has come."""
+        end = time.monotonic() + seconds
+        while self.signal is None and (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.5))
+        if self.signal is not None:
+            raise Interrupted(self.signal, shard_id)
 
     def __enter__(self) -> _StopFlag:
         for s in self.SIGNALS:

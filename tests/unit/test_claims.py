@@ -139,16 +139,60 @@ def test_a_holder_whose_claim_was_released_and_claimed_anew_knows_it_lost_it(tmp
         claim.check()
 
 
-def test_a_retried_worker_takes_its_own_claims_back_first_even_fresh_or_failed(tmp_path):
-    first = board(tmp_path, 3)
+def earlier_attempt(tmp_path, worker, job_id=None, **kwargs):
+    """A board of a worker's earlier attempt: another process (alive until ``.kill()``) on this host."""
+    import secrets
+    import subprocess
+
+    from shardgen import jobinfo
+
+    proc = subprocess.Popen(["sleep", "600"])
+    holder = Holder(worker, secrets.token_hex(8), jobinfo.host(), job_id, proc.pid)
+    return ClaimBoard(tmp_path / "claims", holder, 60.0, below=tmp_path, **kwargs), proc
+
+
+def test_a_retried_worker_takes_its_own_claims_back_first_once_its_earlier_attempt_has_ended(tmp_path):
+    first, proc = earlier_attempt(tmp_path, 3)
     c1 = first.next(SHARDS[:3], never_done)
     c1.mark_failed(RuntimeError("boom"))
     c2 = first.next(SHARDS[:3], never_done)
-    retry = board(tmp_path, 3)  # the same worker index, a new process (Snakemake's retry)
-    got = [retry.next(SHARDS[:3], never_done) for _ in range(2)]
-    assert sorted(c.shard for c in got) == sorted([c1.shard, c2.shard])
-    assert all(c.generation == 2 for c in got)
-    assert retry.next(SHARDS[:3], never_done).shard == "00002"
+    waited = []
+
+    def sleep(seconds):  # the earlier attempt is still saving its rows; it ends while the retry waits
+        waited.append(seconds)
+        proc.kill()
+        proc.wait()
+
+    retry = board(tmp_path, 3, sleep=sleep)  # the same worker index, a new process (Snakemake's retry)
+    got = [retry.next(SHARDS[:3], never_done) for _ in range(3)]
+    assert got[0].shard == "00002", "a shard nobody holds while the earlier attempt still runs"
+    assert sorted(c.shard for c in got[1:]) == sorted([c1.shard, c2.shard])
+    assert all(c.generation == 2 for c in got[1:]) and len(waited) == 1
+    with pytest.raises(ClaimLost):
+        c2.check()  # had the earlier attempt woken up, it could not have written
+
+
+def test_a_job_owns_its_shard_only_once_the_earlier_holder_has_ended(tmp_path):
+    """One job per shard: the retry of a job still ending in Slurm (scancel, a time limit under
+    KillWait) waits for it; it never writes beside it."""
+    states = ["RUNNING", "COMPLETING", "CANCELLED"]
+    dying, proc = earlier_attempt(tmp_path, -1, job_id="901")
+    old = dying.acquire("00007")
+    proc.kill()
+    asked, slept = [], []
+
+    def job_state(job_id):
+        asked.append(job_id)
+        return states[min(len(asked) - 1, 2)]
+
+    retry = ClaimBoard(tmp_path / "claims", Holder.here(-1), 60.0, below=tmp_path, sleep=slept.append,
+                       job_state=job_state)  # fmt: skip
+    new = retry.acquire("00007")
+    assert (new.generation, asked, len(slept)) == (2, ["901"] * 3, 2)
+    assert new.took_over["job_id"] == "901"
+    with pytest.raises(ClaimLost):
+        old.check()
+    assert ClaimBoard(tmp_path / "claims", Holder.here(-1), 60.0, below=tmp_path).scan()["00007"].generation == 2
 
 
 def test_a_failed_claim_of_another_worker_is_left_to_that_workers_retry(tmp_path):

@@ -141,3 +141,18 @@ def test_cancelling_a_run_cancels_by_id_only_its_own_unfinished_jobs():
     calls.clear()
     assert cluster.cancel_run_jobs("/nothing/here", rules, run=run) == []
     assert [argv[0] for argv in calls] == ["squeue"], "no scancel without a job"
+
+
+def test_a_run_is_warned_of_an_earlier_runs_jobs_still_in_slurm_with_their_ids():
+    queue = """\
+301|RUNNING|None|old-uuid|rule_generate_shard_wildcards_00001|2026-12-03T10:00:00|/work/run
+302|COMPLETED|None|old-uuid|rule_generate_shard_wildcards_00002|2026-12-03T10:00:00|/work/run
+"""
+    text = cluster.earlier_jobs_warning("/work/run", ["generate_shard"], run=lambda argv: queue)
+    assert "1 Slurm job(s) of an earlier run" in text and "scancel 301" in text
+    assert cluster.earlier_jobs_warning("/elsewhere", ["generate_shard"], run=lambda argv: queue) is None
+
+    def broken(argv):
+        raise OSError("squeue: not found")
+
+    assert cluster.earlier_jobs_warning("/work/run", ["generate_shard"], run=broken) is None

@@ -82,6 +82,11 @@ def start_run():
     )
     if workflow.executor_plugin is None or workflow.executor_plugin.name != "slurm":
         return
+    earlier = cluster.earlier_jobs_warning(
+        str(Path.cwd()), [rule.name for rule in workflow.rules]
+    )
+    if earlier:
+        logger.warning(f"shardgen: warning: {earlier}")
     problem = slurm_plugin_problem()
     if problem:
         logger.warning(f"shardgen: warning: {problem}")
