@@ -100,7 +100,8 @@ def _job_states(job_ids) -> dict[str, str]:
 @pytest.mark.slurm
 def test_a_time_limit_and_a_scancel_each_save_the_finished_rows_and_the_retries_get_more_time(tmp_path, slurm_cluster):
     """SIGTERM reaches shardgen under Slurm, from the time limit and from scancel, and what it saves
-    is what the next attempt resumes; each attempt gets runtime × its number."""
+    is what the next attempt resumes; each attempt gets runtime × its number; a retry never writes
+    beside the attempt it replaces."""
     rows = 300
     # About 25-55 s from job start to the first row and 2-3.5 rows/s here. Attempt 1 (1 minute) runs
     # out of time after some rows (Slurm enforces the limit within about 30 s: 140 rows were done in
@@ -125,9 +126,41 @@ def test_a_time_limit_and_a_scancel_each_save_the_finished_rows_and_the_retries_
     assert shard["attempt_requests"] == rows - shard["rows_resumed"], "the engine was sent only the unsaved rows"
     states = _job_states([a["slurm"]["job_id"] for a in shard["attempts"]])
     assert [states[a["slurm"]["job_id"]] for a in shard["attempts"]] == ["TIMEOUT", "CANCELLED", "COMPLETED"]
+    # one writer: each retry (submitted while its predecessor was still saving) began only after it ended
+    for before, after in zip(shard["attempts"], shard["attempts"][1:], strict=False):
+        assert after["started"] >= before["ended"], shard["attempts"]
+    assert not list((tmp_path / "results" / "claims").glob("*.claim")), "the committed shard's claims are gone"
     # the log names the Slurm job of the attempt that finished
     log = (tmp_path / "results" / "logs" / "generate_shard" / "00000.log").read_text()
     assert re.search(rf"start on \S+, Slurm job {finished['slurm']['job_id']} ", log), log[:2000]
+
+
+@pytest.mark.slurm
+def test_a_rerun_after_a_killed_controller_waits_for_its_orphan_and_writes_every_row_once(tmp_path, slurm_cluster):
+    """The controller dies (kill -9) while its job generates; the job runs on. The rerun (after
+    --unlock) warns of it, and its own job for the shard, running beside it, waits for it rather than
+    write beside it; the orphan commits, and the rerun keeps its shard."""
+    rows = 40
+    config = one_shard_run(tmp_path, rows)
+    config["shards"]["lease_seconds"] = 20  # the waiting job looks again every 4 s
+    config["resources"]["cpus_per_task"] = 1  # the two jobs run at once on the test node's 2 CPUs
+    run = Background(tmp_path, config, "slurm")
+    run.wait_until(lambda: progress(tmp_path).get("saved", 0) >= 4, 600, "the first job's saved rows")
+    orphan = progress(tmp_path)["job_id"]
+    run.proc.kill()  # the controller; its Slurm job runs on
+    run.proc.wait()
+    run.out.close()
+    run_workflow(tmp_path, config, "slurm", "--unlock")
+    r = run_workflow(tmp_path, config, "slurm")
+    assert f"still queued or running ({orphan})" in r.stdout + r.stderr
+    _, shard = results(tmp_path, rows)
+    assert [a["slurm"]["job_id"] for a in shard["attempts"]] == [orphan], "the orphan made the shard alone"
+    assert shard["rows_resumed"] == 0 and shard["attempt_requests"] == rows
+    jobs = _job_states(re.findall(r"submitted with SLURM jobid (\d+)", r.stdout + r.stderr))
+    assert list(jobs.values()) == ["COMPLETED"], "the rerun's job waited, then kept the orphan's shard"
+    log = (tmp_path / "results" / "logs" / "generate_shard" / "00000.log").read_text()
+    assert "still holds it; waiting until it has ended" in log and "committed meanwhile by the job" in log, log[-3000:]
+    assert _job_states([orphan]) == {orphan: "COMPLETED"}
 
 
 def test_a_kv_cache_too_small_at_engine_start_is_retried_with_a_larger_one_and_succeeds(tmp_path):
