@@ -394,6 +394,15 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def published_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
+    """``sampling`` as provenance shows it (the merged output, the stats, the report): a JSON schema
+    by its digest, not its content."""
+    structured = sampling.get("structured_outputs") or {}
+    if "json" not in structured:
+        return sampling
+    return {**sampling, "structured_outputs": {"json": {"digest": digest(structured["json"])}}}
+
+
 def content_fingerprint(config: dict[str, Any], engine: str | None = None) -> str:
     """Changes exactly when the text a row would get can change."""
     return digest(content_config(config, engine))

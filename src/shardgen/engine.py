@@ -55,22 +55,6 @@ _NOT_ENGINE_ARGS = {"extra", "allow_unsafe_engine_args", "batch_invariant"}
 PROCESS_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 
-def cache_root(host: str) -> str:
-    """Where vLLM keeps its caches in a job (``VLLM_CACHE_ROOT``): one directory per node.
-
-    vLLM's custom all-reduce keeps whether GPUs reach each other peer to peer
-    in a file keyed by ``CUDA_VISIBLE_DEVICES`` alone
-    (vllm/distributed/device_communicators/all_reduce_utils.py), so on a
-    shared home directory a PCIe node could read the answer an NVLink node
-    wrote; and many jobs would write one torch.compile cache at once. A
-    ``VLLM_CACHE_ROOT`` set in the environment is taken as it is.
-    """
-    if os.environ.get("VLLM_CACHE_ROOT"):
-        return os.environ["VLLM_CACHE_ROOT"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "vllm", "shardgen-nodes", host)
-
-
 class WrongGpus(ShardgenError):
     """The job got GPUs it cannot run on as configured (too few, without the precision asked for, a
     driver too old for the CUDA build)."""
@@ -225,7 +209,7 @@ class EngineSettings:
                 "(v1/worker/cpu_model_runner.py, warming_up_model; gpu_model_runner.py, _dummy_run), and that "
                 "stage fails its first step (assert self.intermediate_tensors is not None)"
             )
-        environment = {**PROCESS_ENV, "VLLM_CACHE_ROOT": cache_root(jobinfo.host())}
+        environment = {**PROCESS_ENV, "VLLM_CACHE_ROOT": jobinfo.cache_root(jobinfo.host())}
         if model.get("batch_invariant"):
             # batch-invariant kernels: a row's text does not depend on the rows batched with it
             # (vllm/model_executor/determinism/batch_invariant.py; GPU workers only)

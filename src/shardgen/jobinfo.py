@@ -99,3 +99,19 @@ def own_log_tail(limit: int = 200_000, since: int = 0) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def cache_root(host: str) -> str:
+    """Where vLLM keeps its caches in a job (``VLLM_CACHE_ROOT``): one directory per node.
+
+    vLLM's custom all-reduce keeps whether GPUs reach each other peer to peer
+    in a file keyed by ``CUDA_VISIBLE_DEVICES`` alone
+    (vllm/distributed/device_communicators/all_reduce_utils.py), so on a
+    shared home directory a PCIe node could read the answer an NVLink node
+    wrote; and many jobs would write one torch.compile cache at once. A
+    ``VLLM_CACHE_ROOT`` set in the environment is taken as it is.
+    """
+    if os.environ.get("VLLM_CACHE_ROOT"):
+        return os.environ["VLLM_CACHE_ROOT"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "vllm", "shardgen-nodes", host)

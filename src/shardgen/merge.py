@@ -22,14 +22,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardgen import __version__, formats, heads
-from shardgen.config import RunConfig
+from shardgen.config import RunConfig, published_sampling
 from shardgen.errors import MergeError
 from shardgen.io import atomic_write_text
 from shardgen.outputs import CONFIG_KEY, SHARD_KEY, count_problems, rows_per_input
 from shardgen.plan import Manifest
 from shardgen.results import result_spec
 from shardgen.stats import RunTotals, summary_text
-from shardgen.trust import published_sampling
 
 BATCH_ROWS = 8192
 

@@ -284,13 +284,12 @@ def main_worker() -> int:
     kwargs = json.loads(os.environ.pop("SHARDGEN_ENGINE_ARGS"))
     nodes, address, port = json.loads(os.environ.pop("SHARDGEN_ENGINE_HEAD"))
     from shardgen import gpus, jobinfo
-    from shardgen.engine import cache_root
 
     rank = int(os.environ["SLURM_PROCID"]) + 1  # the step runs on the job's nodes after the first (srun sets it)
     node = node_name()
     os.environ.update(node_environment(node_address(node)))
     print(NODE_RECORD + json.dumps({"node": node, "gpus": gpus.describe_gpus()}), flush=True)
-    os.environ["VLLM_CACHE_ROOT"] = cache_root(jobinfo.host())  # this node's, not the head's
+    os.environ["VLLM_CACHE_ROOT"] = jobinfo.cache_root(jobinfo.host())  # this node's, not the head's
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor

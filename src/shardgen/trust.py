@@ -232,17 +232,6 @@ def check_json_schema(schema_: dict[str, Any]) -> None:
         raise ConfigError(f"sampling.structured_outputs.json: not a valid JSON schema: {e.message}") from e
 
 
-def published_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
-    """``sampling`` as provenance shows it (the merged output, the stats, the report): a JSON schema
-    by its digest, not its content."""
-    structured = sampling.get("structured_outputs") or {}
-    if "json" not in structured:
-        return sampling
-    from shardgen.config import digest
-
-    return {**sampling, "structured_outputs": {"json": {"digest": digest(structured["json"])}}}
-
-
 def read_mapping(path: str | Path, what: str) -> dict[str, Any]:
     """A YAML (or JSON) file that holds a mapping; errors say which file, and what it was for."""
     try:

@@ -390,7 +390,7 @@ def test_a_file_that_is_not_a_json_schema_is_refused_before_its_content_reaches_
 def test_provenance_shows_a_json_schema_by_its_digest_not_its_content():
     schema = {"type": "object", "properties": {"secret_field_name": {"type": "string"}}}
     c = cfg.validate(minimal() | {"sampling": {"structured_outputs": {"json": schema}, "max_tokens": 9}})
-    published = trust.published_sampling(c["sampling"])
+    published = cfg.published_sampling(c["sampling"])
     assert published["structured_outputs"] == {"json": {"digest": cfg.digest(schema)}}
     assert published["max_tokens"] == 9 and "secret_field_name" not in str(published)
 

@@ -166,7 +166,7 @@ def test_a_job_spawns_vllms_processes_and_keeps_its_caches_per_node(monkeypatch,
         "VLLM_CACHE_ROOT": str(tmp_path / "vllm" / "shardgen-nodes" / jobinfo.host()),
     }
     monkeypatch.setenv("VLLM_CACHE_ROOT", "/scratch/mine")  # the documented override
-    from shardgen.engine import cache_root
+    from shardgen.jobinfo import cache_root
 
     assert cache_root("node17") == "/scratch/mine"
 
