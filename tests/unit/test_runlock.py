@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import subprocess
 import sys
 import time
 
 import pytest
 
-from shardgen.runlock import LOCK_NAME, OutputInUse, RunLock
+from shardgen.runlock import HELD_NAME, LOCK_NAME, OutputInUse, RunLock
 
 HOLD = """
 import sys, time
@@ -41,3 +43,35 @@ def test_a_second_run_on_an_output_dir_in_use_is_refused_naming_the_first_and_ge
             time.sleep(0.1)
     assert '"config_fingerprint": "fp-b"' in (tmp_path / LOCK_NAME).read_text()
     lock.release()
+
+
+NO_LOCKS = """
+import errno, fcntl
+def lockf(*args):
+    raise OSError(errno.ENOSYS, "Function not implemented")  # Lustre mounted without flock
+fcntl.lockf = lockf
+"""
+
+
+def no_record_locks(*args):
+    raise OSError(errno.ENOSYS, "Function not implemented")
+
+
+def test_without_record_locks_a_lock_file_refuses_a_live_run_and_is_taken_over_from_a_killed_one(tmp_path, monkeypatch):
+    holder = subprocess.Popen([sys.executable, "-c", NO_LOCKS + HOLD, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked", holder.stderr.read()
+        assert (tmp_path / HELD_NAME).exists()
+        monkeypatch.setattr(fcntl, "lockf", no_record_locks)
+        with pytest.raises(OutputInUse, match=rf"in use by another run \(process {holder.pid} of "):
+            RunLock.acquire(tmp_path, tmp_path, "fp-b")
+        holder.kill()  # a killed controller leaves its lock file behind
+        holder.wait()
+        lock = RunLock.acquire(tmp_path, tmp_path, "fp-b")  # its process is gone: taken over
+        assert '"config_fingerprint": "fp-b"' in (tmp_path / HELD_NAME).read_text()
+        lock.release()
+        assert not (tmp_path / HELD_NAME).exists()
+    finally:
+        holder.kill()
+        holder.wait()
