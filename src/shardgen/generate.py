@@ -327,7 +327,7 @@ def run_shard(
             if stop():
                 raise Interrupted(stop.signal, shard_id)
             with contextlib.nullcontext() if guard else _own(config, shard_id, stop) as claim:
-                if claim is not None and Path(output).exists():  # Snakemake removed it before this job
+                if claim is not None and Path(output).exists():  # written since Snakemake started this job
                     manifest = Manifest.load(manifest_path)
                     files = (Path(output), Path(stats_path))
                     if committed(config, manifest, manifest.shard(shard_id), Path(output).parent, files):
