@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from shardgen import jobinfo
+from shardgen import cluster, jobinfo
 from shardgen.errors import ShardgenError
 from shardgen.io import Dir
 
@@ -67,27 +67,9 @@ class ClaimLost(ShardgenError):
     """Another worker took this shard over (this worker's heartbeat stopped for longer than the lease)."""
 
 
-# squeue's states of a job whose processes may still run (COMPLETING: Slurm is still ending them).
-ALIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING",
-                "STAGE_OUT", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SPECIAL_EXIT")  # fmt: skip
-
-
-def slurm_job_state(job_id: str) -> str | None:
-    """The state ``squeue`` shows for a job ('' once Slurm has forgotten it); None when squeue cannot be asked."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:  # "Invalid job id specified": purged since it ended
-        return "" if "Invalid job id" in out.stderr else None
-    return out.stdout.strip()
-
-
 def holder_gone(
     record: dict[str, Any] | None,
-    job_state: Callable[[str], str | None] = slurm_job_state,
+    job_state: Callable[[str], str | None] = cluster.job_state,
     own_worker: int | None = None,
     own_token: str | None = None,
 ) -> bool:
@@ -98,20 +80,13 @@ def holder_gone(
         return False
     job = record.get("job_id")
     if job and job != os.environ.get("SLURM_JOB_ID"):
-        state = job_state(str(job))
-        return state is not None and state not in ALIVE_STATES
-    if record.get("host") == jobinfo.host() and isinstance(record.get("pid"), int):
-        if record["pid"] == os.getpid():
-            # this process runs one attempt of a worker's shard at a time: another token of the same
-            # worker is an attempt that has ended here (tests run shards again in one process)
-            return record.get("worker") == own_worker and record.get("token") != own_token
-        try:
-            os.kill(record["pid"], 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-    return False
+        state = job_state(str(job))  # '': Slurm has forgotten it; COMPLETING: still ending its processes
+        return state == "" or state in cluster.FINAL_STATES
+    if record.get("host") == jobinfo.host() and record.get("pid") == os.getpid():
+        # this process runs one attempt of a worker's shard at a time: another token of the same
+        # worker is an attempt that has ended here (tests run shards again in one process)
+        return record.get("worker") == own_worker and record.get("token") != own_token
+    return jobinfo.process_gone(record.get("host"), record.get("pid"))
 
 
 @dataclass(frozen=True)
@@ -228,7 +203,7 @@ class ClaimBoard:
         lease_s: a claim whose heartbeat is older is taken over.
         below: the output directory (no symlink between it and ``directory``).
         sleep: how to wait for a silent claim's lease to run out (tests pass a fake).
-        job_state: how Slurm is asked for a holder's job (``slurm_job_state``; tests pass a fake).
+        job_state: how Slurm is asked for a holder's job (``cluster.job_state``; tests pass a fake).
     """
 
     def __init__(
@@ -238,7 +213,7 @@ class ClaimBoard:
         lease_s: float,
         below: str | Path | None = None,
         sleep: Callable[[float], None] = time.sleep,
-        job_state: Callable[[str], str | None] = slurm_job_state,
+        job_state: Callable[[str], str | None] = cluster.job_state,
     ) -> None:
         self.dir = Dir.open(directory, below=below)
         self._job_state = job_state

@@ -251,14 +251,35 @@ def parse_squeue(text: str) -> list[QueuedJob]:
     return [QueuedJob(*fields) for line in text.splitlines() if len(fields := line.strip().split("|")) == 7]
 
 
+def queued(*states: str, run: Callable[[list[str]], str] | None = None) -> list[QueuedJob]:
+    """This user's jobs (of these states, or all that squeue shows).
+
+    Raises:
+        OSError, subprocess.SubprocessError: squeue could not be asked.
+    """
+    argv = ["squeue", "--me", "-h", "-o", SQUEUE_FORMAT, *(["-t", ",".join(states)] if states else [])]
+    return parse_squeue((run or _run)(argv))
+
+
 def squeue(*states: str, run: Callable[[list[str]], str] | None = None) -> list[QueuedJob]:
     """This user's jobs (of these states, or all); none when squeue cannot be asked."""
-    argv = ["squeue", "--me", "-h", "-o", SQUEUE_FORMAT, *(["-t", ",".join(states)] if states else [])]
     try:
-        return parse_squeue((run or _run)(argv))
+        return queued(*states, run=run)
     except (OSError, subprocess.SubprocessError) as e:
         log.debug("squeue failed: %s", e)
         return []
+
+
+def job_state(job_id: str) -> str | None:
+    """The state ``squeue`` shows for one job ('' once Slurm has forgotten it); None when squeue cannot
+    be asked."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:  # "Invalid job id specified": purged since it ended
+        return "" if "Invalid job id" in out.stderr else None
+    return out.stdout.strip()
 
 
 def is_run_job(job: QueuedJob, workdir: str, rules: Iterable[str]) -> bool:
@@ -277,8 +298,7 @@ def run_jobs(workdir: str, rules: Iterable[str], run: Callable[[list[str]], str]
         OSError, subprocess.SubprocessError: squeue could not be asked.
     """
     rules = tuple(rules)
-    jobs = parse_squeue((run or _run)(["squeue", "--me", "-h", "-o", SQUEUE_FORMAT]))
-    return [job for job in jobs if job.state not in FINAL_STATES and is_run_job(job, workdir, rules)]
+    return [job for job in queued(run=run) if job.state not in FINAL_STATES and is_run_job(job, workdir, rules)]
 
 
 def earlier_jobs_warning(

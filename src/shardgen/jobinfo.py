@@ -29,6 +29,20 @@ def host() -> str:
     return socket.gethostname()
 
 
+def process_gone(on_host: str | None, pid: object) -> bool:
+    """Whether process ``pid`` of host ``on_host`` has certainly ended: only a process of this host can
+    be asked (False for one elsewhere, or one that may still run)."""
+    if on_host != host() or not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def slurm_info() -> dict[str, Any]:
     """The Slurm job this process runs in (empty outside Slurm), with its queue times and time limit."""
     info: dict[str, Any] = {k: os.environ[v] for k, v in SLURM_ENV.items() if v in os.environ}

@@ -34,11 +34,11 @@ import json
 import logging
 import os
 import secrets
-import socket
 import threading
 from pathlib import Path
 from typing import Any
 
+from shardgen import jobinfo
 from shardgen.errors import ShardgenError
 
 LOCK_NAME = ".shardgen-run.lock"
@@ -117,7 +117,7 @@ def _in_use(out_dir: str | Path, owner: dict[str, Any]) -> OutputInUse:
 
 def _owner(workdir: str | Path, config_fingerprint: str) -> dict[str, Any]:
     return {
-        "host": socket.gethostname(),
+        "host": jobinfo.host(),
         "pid": os.getpid(),
         "user": getpass.getuser(),
         "workdir": str(Path(workdir).absolute()),
@@ -169,13 +169,8 @@ class _HeldFile:
 def _gone(owner: dict[str, Any], path: Path) -> bool:
     """Whether the run that holds the lock file has ended: its process, on this host, is gone, or its
     heartbeat is older than the lease by the file system's clock (a file touched now, read back)."""
-    if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
-        try:
-            os.kill(owner["pid"], 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            pass
+    if jobinfo.process_gone(owner.get("host"), owner.get("pid")):
+        return True
     clock = path.with_name(f".clock-{secrets.token_hex(4)}")
     try:
         clock.touch()

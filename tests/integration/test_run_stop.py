@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.integration.workflow import BIN, run_bounded
+from tests.integration.workflow import BIN, run_bounded, slurm_jobs
 
 pytestmark = pytest.mark.slurm
 
@@ -45,12 +45,6 @@ def wrappers(bin_dir: Path) -> None:
         (bin_dir / name).chmod(0o755)
 
 
-def run_jobs(workdir: Path) -> dict[str, str]:
-    """Slurm job id -> state, of every job submitted from ``workdir``."""
-    out = subprocess.run(["squeue", "--me", "-h", "-t", "all", "-o", "%i|%T|%Z"], capture_output=True, text=True)
-    return {i: state for i, state, wd in (line.split("|") for line in out.stdout.splitlines()) if wd == str(workdir)}
-
-
 def stop_once(workdir: Path, moment: str) -> None:
     workdir.mkdir()
     wrappers(workdir / "bin")
@@ -76,11 +70,11 @@ def stop_once(workdir: Path, moment: str) -> None:
     record = json.loads((workdir / "logs" / "stopped.json").read_text())
     stopped = datetime.datetime.fromisoformat(record["stopped"]).timestamp()
     assert ended - stopped < STOPS_WITHIN_S, f"{ended - stopped:.0f} s from the stop to the exit; {where}"
-    jobs = run_jobs(workdir)
+    jobs = slurm_jobs(workdir)
     deadline = time.time() + 30
     while any(state == "COMPLETING" for state in jobs.values()) and time.time() < deadline:
         time.sleep(0.5)  # a cancelled job that ran passes through COMPLETING
-        jobs = run_jobs(workdir)
+        jobs = slurm_jobs(workdir)
     if moment != "checkpoint":  # the others stop with a job submitted (pending, running, or being submitted)
         assert jobs, where
     assert set(jobs.values()) <= {"CANCELLED"}, f"{jobs}; {where}"

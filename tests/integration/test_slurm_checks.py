@@ -11,7 +11,7 @@ import pytest
 from shardgen import runstop
 from shardgen.cluster import PendingWatcher
 from tests.conftest import make_rows, write_parquet
-from tests.integration.workflow import BIN, Background, run_workflow, workflow_config
+from tests.integration.workflow import BIN, Background, run_workflow, slurm_jobs, workflow_config
 
 pytestmark = pytest.mark.slurm
 
@@ -20,11 +20,6 @@ def node_cpus() -> int:
     return int(
         subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True, check=True).stdout.split()[0]
     )
-
-
-def jobs_from(workdir) -> list[str]:
-    out = subprocess.run(["squeue", "--me", "-h", "-t", "all", "-o", "%i|%Z"], capture_output=True, text=True).stdout
-    return [line.split("|")[0] for line in out.splitlines() if line.endswith(f"|{workdir}")]
 
 
 def one_shard(tmp_path, **sections):
@@ -39,7 +34,7 @@ def test_more_cpus_than_the_node_has_is_refused_before_any_job_with_both_numbers
     text = r.stdout + r.stderr
     assert r.returncode != 0
     assert f"asks for 1 GPU(s), {cpus + 62} CPUs" in text and f": {cpus} CPUs," in text and "short of CPUs" in text
-    assert jobs_from(tmp_path) == [], "nothing was submitted"
+    assert slurm_jobs(tmp_path) == {}, "nothing was submitted"
     assert not (tmp_path / "results" / "plan" / "manifest.json").exists(), "not even the local jobs ran"
 
 
@@ -87,12 +82,10 @@ def test_a_run_whose_job_can_never_start_stops_and_cancels_it_instead_of_waiting
     assert time.time() - told < 60
     text = run.output()
     assert "Stopping the run; its jobs are cancelled" in text and "cancelled the run's Slurm job(s)" in text
-    jobs = jobs_from(tmp_path)
-    states = subprocess.run(["squeue", "-h", "-t", "all", "-j", ",".join(jobs), "-o", "%T"],
-                            capture_output=True, text=True).stdout.split()  # fmt: skip
-    assert states and set(states) == {"CANCELLED"}, states
+    jobs = slurm_jobs(tmp_path)
+    assert jobs and set(jobs.values()) == {"CANCELLED"}, jobs
     record = runstop.read_record(tmp_path / "results" / "logs")
-    assert said in record["reason"] and record["cancelled_jobs"] == jobs
+    assert said in record["reason"] and record["cancelled_jobs"] == sorted(jobs)
     status = subprocess.run([str(BIN / "shardgen"), "status", "--dir", "results"], cwd=tmp_path, capture_output=True,
                             text=True).stdout  # fmt: skip
-    assert f"stopped at {record['stopped']}: Slurm job {jobs[0]} " in status, status
+    assert f"stopped at {record['stopped']}: Slurm job {next(iter(jobs))} " in status, status

@@ -14,6 +14,7 @@ import psutil
 import pyarrow.parquet as pq
 import yaml
 
+from shardgen.cluster import FINAL_STATES
 from tests.conftest import ROOT, TEST_MODEL_CFG
 
 BIN = Path(sys.executable).parent
@@ -54,6 +55,12 @@ def stacks(pid: int, workdir: Path | None = None) -> str:
     return "\n".join(out)
 
 
+def slurm_jobs(workdir: Path) -> dict[str, str]:
+    """Slurm job id -> state, of every job submitted from ``workdir`` that squeue still shows."""
+    out = subprocess.run(["squeue", "--me", "-h", "-t", "all", "-o", "%i|%T|%Z"], capture_output=True, text=True)
+    return {i: state for i, state, wd in (line.split("|") for line in out.stdout.splitlines()) if wd == str(workdir)}
+
+
 def end_hung(proc: subprocess.Popen, workdir: Path | None, bound: float, output: str = "") -> AssertionError:
     """A run that outlived its bound: its stacks, then it is killed with its children and its Slurm jobs."""
     dump = stacks(proc.pid, workdir)
@@ -69,8 +76,7 @@ def end_hung(proc: subprocess.Popen, workdir: Path | None, bound: float, output:
     proc.kill()
     proc.wait()
     if workdir is not None:  # its Slurm jobs, so that the next test's do not wait behind them
-        q = subprocess.run(["squeue", "--me", "-h", "-o", "%i|%Z"], capture_output=True, text=True).stdout
-        ids = [line.split("|")[0] for line in q.splitlines() if line.endswith(f"|{workdir}")]
+        ids = [i for i, state in slurm_jobs(workdir).items() if state not in FINAL_STATES]
         if ids:
             subprocess.run(["scancel", *ids])
     return AssertionError(

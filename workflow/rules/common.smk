@@ -82,9 +82,7 @@ def start_run():
     )
     if workflow.executor_plugin is None or workflow.executor_plugin.name != "slurm":
         return
-    earlier = cluster.earlier_jobs_warning(
-        str(Path.cwd()), [rule.name for rule in workflow.rules]
-    )
+    earlier = cluster.earlier_jobs_warning(RUN_STOP.workdir, RUN_STOP.rules)
     if earlier:
         logger.warning(f"shardgen: warning: {earlier}")
     problem = slurm_plugin_problem()
