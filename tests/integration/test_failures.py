@@ -139,26 +139,34 @@ def test_a_time_limit_and_a_scancel_each_save_the_finished_rows_and_the_retries_
 def test_a_rerun_after_a_killed_controller_waits_for_its_orphan_and_writes_every_row_once(tmp_path, slurm_cluster):
     """The controller dies (kill -9) while its job generates; the job runs on. The rerun (after
     --unlock) warns of it, and its own job for the shard, running beside it, waits for it rather than
-    write beside it; the orphan commits, and the rerun keeps its shard."""
+    write beside it; the orphan commits, and the rerun keeps its shard. The orphan is suspended
+    (scontrol suspend) until the rerun's job waits for it, so that it cannot finish first."""
     rows = 40
     config = one_shard_run(tmp_path, rows)
-    config["shards"]["lease_seconds"] = 20  # the waiting job looks again every 4 s
+    config["shards"]["lease_seconds"] = 90  # longer than the suspension; the waiting job looks every 18 s
     config["resources"]["cpus_per_task"] = 1  # the two jobs run at once on the test node's 2 CPUs
     run = Background(tmp_path, config, "slurm")
     run.wait_until(lambda: progress(tmp_path).get("saved", 0) >= 4, 600, "the first job's saved rows")
     orphan = progress(tmp_path)["job_id"]
-    run.proc.kill()  # the controller; its Slurm job runs on
+    subprocess.run(["scontrol", "suspend", orphan], check=True)
+    run.proc.kill()  # the controller; its Slurm job stays (suspended, then running)
     run.proc.wait()
     run.out.close()
     run_workflow(tmp_path, config, "slurm", "--unlock")
-    r = run_workflow(tmp_path, config, "slurm")
-    assert f"still queued or running ({orphan})" in r.stdout + r.stderr
+    log_file = tmp_path / "results" / "logs" / "generate_shard" / "00000.log"
+    rerun = Background(tmp_path, config, "slurm")
+    try:
+        rerun.wait_until(lambda: "still holds it; waiting" in log_file.read_text(), 300, "the rerun's job to wait")
+    finally:
+        subprocess.run(["scontrol", "resume", orphan], check=True)
+    out = rerun.wait()
+    assert f"still queued or running ({orphan})" in out
     _, shard = results(tmp_path, rows)
     assert [a["slurm"]["job_id"] for a in shard["attempts"]] == [orphan], "the orphan made the shard alone"
     assert shard["rows_resumed"] == 0 and shard["attempt_requests"] == rows
-    jobs = _job_states(re.findall(r"submitted with SLURM jobid (\d+)", r.stdout + r.stderr))
+    jobs = _job_states(re.findall(r"submitted with SLURM jobid (\d+)", out))
     assert list(jobs.values()) == ["COMPLETED"], "the rerun's job waited, then kept the orphan's shard"
-    log = (tmp_path / "results" / "logs" / "generate_shard" / "00000.log").read_text()
+    log = log_file.read_text()
     assert "still holds it; waiting until it has ended" in log and "committed meanwhile by the job" in log, log[-3000:]
     assert _job_states([orphan]) == {orphan: "COMPLETED"}
 
