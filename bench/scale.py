@@ -473,7 +473,6 @@ def step_merge(work: Path, size: Size, paths: list[Path]) -> dict[str, Any]:
         manifest = json.loads((d / "manifest.json").read_text())
         say(f"merge: {manifest['total_rows']:,} rows in {len(manifest['shards'])} shards")
         cmd = [BIN / "shardgen", "merge", "--config", d / "config.json", "--manifest", d / "manifest.json"]
-        cmd += ["--shard-dir", d / "shards"]
         m = measure([*cmd, "--output", output, "--stats", stats_path], d / "merge.log")
         md = pq.ParquetFile(output).metadata
         stats = json.loads(stats_path.read_text())

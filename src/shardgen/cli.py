@@ -10,7 +10,6 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 from shardgen import config as cfg
 from shardgen.errors import ShardgenError
@@ -44,13 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--worker", type=int, help="elastic worker: claim shards until none is left (shards.workers)")
     gen.add_argument("--output", help="the shard's Parquet output (one shard)")
     gen.add_argument("--stats", help="the shard's stats JSON (one shard)")
-    gen.add_argument("--shard-dir", help="where several shards' outputs and stats go")
-    gen.add_argument("--record", help="with --shard-dir: the job's or the worker's record (JSON)")
+    gen.add_argument("--record", help="several shards, or a worker: the job's or the worker's record (JSON)")
     gen.add_argument("--model-record", help="where the fetch step found the model (its JSON record)")
 
     push = sub.add_parser("push", help="push the merged output to output.push_to_hub (token from HF_TOKEN)")
     push.add_argument("--config", required=True)
     push.add_argument("--dataset", required=True, help="the merged output")
+    push.add_argument("--stats", required=True, help="the merged stats (the fingerprint the merge recorded)")
     push.add_argument("--record", required=True, help="where to write what was pushed (JSON)")
 
     sub.add_parser("engine-version", help="print the installed vLLM's version (without importing it)")
@@ -73,7 +72,6 @@ def _parser() -> argparse.ArgumentParser:
     merge = sub.add_parser("merge", help="merge shard outputs into one dataset and stats")
     merge.add_argument("--config", required=True)
     merge.add_argument("--manifest", required=True)
-    merge.add_argument("--shard-dir", required=True)
     merge.add_argument("--output", required=True)
     merge.add_argument("--stats", required=True)
     merge.add_argument("--model-record", help="the fetch step's record (a pooling task's columns need the model)")
@@ -121,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             from shardgen.generate import main_generate
 
-            one = args.shard_dir is None
-            if args.worker is not None and (one or args.record is None):
-                raise ShardgenError("generate: a --worker needs --shard-dir and --record")
+            one = args.record is None
+            if args.worker is not None and one:
+                raise ShardgenError("generate: a --worker needs --record")
             if args.worker is None and (
                 one == (args.output is None or args.stats is None) or (one and len(args.shard) != 1)
             ):
-                raise ShardgenError("generate: give --output and --stats for one shard, or --shard-dir for several")
+                raise ShardgenError("generate: give --output and --stats for one shard, or --record for several")
             return main_generate(
                 _load(args.config),
                 args.manifest,
@@ -135,14 +133,13 @@ def main(argv: list[str] | None = None) -> int:
                 args.output,
                 args.stats,
                 args.model_record,
-                args.shard_dir,
                 args.record,
                 args.worker,
             )
         if args.command == "push":
             from shardgen.merge import push
 
-            record = push(_load(args.config), args.dataset, args.record)
+            record = push(_load(args.config), args.dataset, args.stats, args.record)
             print(f"pushed {record['rows']} rows to {record['repo_id']}", file=sys.stderr)
             return 0
         if args.command == "status":
@@ -166,9 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "merge":
             from shardgen.merge import main_merge
 
-            return main_merge(
-                _load(args.config), args.manifest, Path(args.shard_dir), args.output, args.stats, args.model_record
-            )
+            return main_merge(_load(args.config), args.manifest, args.output, args.stats, args.model_record)
         if args.command == "plots":
             from shardgen.report import main_plots
 

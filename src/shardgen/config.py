@@ -28,6 +28,7 @@ import yaml
 
 from shardgen import trust
 from shardgen.errors import ConfigError
+from shardgen.rundir import CONFIG_DIR, RunDir
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
 
@@ -310,7 +311,7 @@ def load(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     config = trust.read_mapping(path, "the config")
-    if path.parent.name == RUN_CONFIG_DIR and _DIGEST_NAME.fullmatch(path.name) and digest(config) != path.stem:
+    if path.parent.name == CONFIG_DIR and _DIGEST_NAME.fullmatch(path.name) and digest(config) != path.stem:
         raise ConfigError(
             f"the run's config '{path}' was changed after the run wrote it (its content no longer matches its "
             "name); start the workflow again"
@@ -318,13 +319,13 @@ def load(path: str | Path) -> dict[str, Any]:
     return validate(config)
 
 
-# Where a run's resolved config is kept, under <output.dir>/plan, named by the digest of its content.
-RUN_CONFIG_DIR = "configs"
+# A run's resolved config is named by the digest of its content (rundir.RunDir.configs).
 _DIGEST_NAME = re.compile(r"[0-9a-f]{16}\.json")
 
 
-def write_resolved(config: dict[str, Any], plan_dir: str | Path) -> str:
-    """Write the validated config as ``<plan_dir>/configs/<digest>.json`` (if not there yet); return its path.
+def write_resolved(config: dict[str, Any], out_dir: str | Path) -> str:
+    """Write the validated config as ``<out_dir>/plan/configs/<digest>.json`` (if not there yet); return
+    its path.
 
     The name is the digest of the content, so a run's commands all read the
     config the run started with: a dry run or a second invocation with
@@ -333,7 +334,7 @@ def write_resolved(config: dict[str, Any], plan_dir: str | Path) -> str:
     """
     from shardgen.io import atomic_write_text
 
-    p = Path(plan_dir) / RUN_CONFIG_DIR / f"{digest(config)}.json"
+    p = RunDir(out_dir).configs / f"{digest(config)}.json"
     if not p.exists():
         atomic_write_text(p, json.dumps(config, indent=1, sort_keys=True) + "\n")
     return str(p)

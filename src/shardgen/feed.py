@@ -40,10 +40,12 @@ from shardgen.progress import progress_bar
 from shardgen.stats import AttemptCounters
 
 if TYPE_CHECKING:
+    from shardgen.config import CheckpointConfig
     from shardgen.engine import Tokenizer
-    from shardgen.generate import ShardJob
     from shardgen.lora import Adapters
+    from shardgen.outputs import ShardCheckpoint
     from shardgen.prompts import PromptRenderer
+    from shardgen.records import Progress
     from shardgen.tasks import Task
 
 # Rows rendered and tokenized in one go: large enough that the batch calls pay off, small enough
@@ -370,11 +372,27 @@ def _completion(req: Request, out: Any, now: float) -> Completion:
 # -- One shard --------------------------------------------------------------------------------------
 
 
+@dataclass
+class ShardWork:
+    """What a shard's feed reads from and writes to (``generate.ShardJob.work`` makes it)."""
+
+    shard_id: str
+    rows: int  # the shard's input rows
+    resumed: int  # of which are done already, in checkpoints of earlier attempts
+    remaining: Iterable[tuple[int, dict[str, Any]]]  # (index, row) of the others, in input order
+    renderer: PromptRenderer
+    ckpt: ShardCheckpoint  # where finished rows and progress go
+    every: CheckpointConfig  # how often finished rows are saved
+    order: str  # prompt.order
+    budget: ErrorBudget
+    progress: Callable[[int, int, dict[str, int]], Progress]  # (done, saved, error reasons) -> progress.json
+
+
 class ShardFeed:
     """The rows of one shard that are still to do, through the engine, into checkpoint parts.
 
     Args:
-        job: the prepared shard job (its rows, checkpoint, budget, config).
+        work: the shard's rows, its checkpoint, its error budget and how it saves.
         task: what the rows become (``tasks.GenerateTask``).
         tokenizer: the engine's.
         llm: the running engine.
@@ -386,7 +404,7 @@ class ShardFeed:
 
     def __init__(
         self,
-        job: ShardJob,
+        work: ShardWork,
         task: Task,
         tokenizer: Tokenizer,
         llm: Any,
@@ -395,14 +413,14 @@ class ShardFeed:
         window: int | None = None,
         inputs: RowInputs | None = None,
     ) -> None:
-        self.job, self.task, self.tokenizer, self.stop = job, task, tokenizer, stop
+        self.work, self.task, self.tokenizer, self.stop = work, task, tokenizer, stop
         self.inputs = inputs
         self.feeder = Feeder(llm, window)
         self.counters = counters
-        self.order = job.config.prompt.order
+        self.order = work.order
         self._finished: list[dict[str, Any]] = []
         self._last_flush = self._last_progress = time.time()
-        self._bar = progress_bar(total=job.shard.rows, initial=len(job.done), desc=f"shard {job.shard.id}")
+        self._bar = progress_bar(total=work.rows, initial=work.resumed, desc=f"shard {work.shard_id}")
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -421,12 +439,12 @@ class ShardFeed:
         Raises:
             TooManyErrors: the shard's errors passed ``errors.max_rate``.
         """
-        job = self.job
+        work = self.work
         order_window = max(4 * self.feeder.window, 1024) if self.order == "prefix" else 0
         requests = prepared_requests(
-            job.remaining_rows(), job.renderer, self.tokenizer, self.task, self._row_error, order_window, self.inputs
+            work.remaining, work.renderer, self.tokenizer, self.task, self._row_error, order_window, self.inputs
         )
-        every = job.config.checkpoint
+        every = work.every
         self._report_progress(time.time())
         try:
             for c in self.feeder.run(requests, should_stop=self.stop):
@@ -441,6 +459,7 @@ class ShardFeed:
                     self._report_progress(now)
         finally:
             self._flush(time.time())
+            self._report_progress(time.time())  # what is saved now, for shardgen status
             self._bar.close()
 
     def _completed(self, c: Completion) -> None:
@@ -458,23 +477,21 @@ class ShardFeed:
                 hist.add(value)
         self._bar.update(1, tokens=finished.generated_tokens)
         if finished.error is not None:
-            self.job.budget.add(c.key, finished.error)
+            self.work.budget.add(c.key, finished.error)
 
     def _row_error(self, index: int, row: dict[str, Any], error: RowError, prompt_tokens: int | None = None) -> None:
         self._finished.extend(self.task.spec.error_rows(row, index, str(error), prompt_tokens))
         self.counters.rows += 1
         self._bar.update(1)
-        self.job.budget.add(index, str(error))
+        self.work.budget.add(index, str(error))
 
     def _flush(self, now: float) -> None:
-        self.job.ckpt.flush(self._finished)
+        self.work.ckpt.flush(self._finished)
         self._finished.clear()
         self._last_flush = now
 
     def _report_progress(self, now: float) -> None:
         self._last_progress = now
-        job = self.job
-        done = len(job.done) + self.counters.rows
-        job.ckpt.write_progress({**job.progress, "time": now, "rows": job.shard.rows, "done": done,
-                                 "resumed": len(job.done), "saved": job.ckpt.saved_inputs,
-                                 "error_reasons": job.budget.reasons})  # fmt: skip
+        work = self.work
+        done = work.resumed + self.counters.rows
+        work.ckpt.write_progress(work.progress(done, work.ckpt.saved_inputs, work.budget.reasons))

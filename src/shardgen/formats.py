@@ -38,11 +38,6 @@ Batches = Iterator[tuple[pa.Schema, pa.RecordBatch]]
 ColumnReader = Callable[[list[str]], Iterator[pa.RecordBatch]]
 
 
-def output_path(out_dir: str, fmt: str) -> str:
-    """Where the merged output of ``output.format`` goes."""
-    return {"parquet": f"{out_dir}/output.parquet", "jsonl": f"{out_dir}/output.jsonl", "hf": f"{out_dir}/output"}[fmt]
-
-
 def format_of(path: str | Path) -> str:
     """The format of a merged output, from its path (a directory is ``hf``)."""
     p = Path(path)

@@ -18,6 +18,7 @@ A job that stops for a signal raises ``Interrupted`` (the command exits with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -35,15 +36,16 @@ from shardgen import heads, jobinfo, memory, multinode, records
 from shardgen.config import RunConfig, content_config, digest, warnings
 from shardgen.engine import Engine, EngineSettings, clear_thread_env, engine_kwargs
 from shardgen.errors import ShardgenError
-from shardgen.feed import ErrorBudget, RowInputs, ShardFeed
+from shardgen.feed import ErrorBudget, RowInputs, ShardFeed, ShardWork
 from shardgen.installed import vllm_version
 from shardgen.io import atomic_write_text
 from shardgen.lora import Adapters
 from shardgen.multinode import WorkersLost
-from shardgen.outputs import FINGERPRINT_KEY, ShardCheckpoint
+from shardgen.outputs import ShardCheckpoint
 from shardgen.plan import Manifest, Shard
 from shardgen.prompts import PromptRenderer
 from shardgen.results import result_spec
+from shardgen.rundir import RunDir, committed_fingerprint
 from shardgen.sources import Source
 from shardgen.stats import AttemptCounters, shard_stats
 from shardgen.tasks import make_task
@@ -71,7 +73,7 @@ class OutOfMemory(ShardgenError):
     ``attempts.jsonl``.
     """
 
-    outcome = "out_of_memory"
+    outcome = records.OUT_OF_MEMORY
 
     def __init__(self, message: str, record: dict[str, Any]) -> None:
         super().__init__(message)
@@ -104,8 +106,8 @@ class ShardJob:
     renderer: PromptRenderer
     ckpt: ShardCheckpoint
     done: set[int]
-    attempts: list[dict[str, Any]]  # the earlier attempts, from attempts.jsonl
-    attempt: dict[str, Any]  # this one's start record
+    attempts: list[records.Attempt]  # the earlier attempts, from attempts.jsonl
+    attempt: records.AttemptStart  # this one's start record
     fingerprint: str
     model_record: dict[str, Any]
     budget: ErrorBudget
@@ -142,29 +144,29 @@ class ShardJob:
         fingerprint = shard_fingerprint(config, manifest, shard)
         head = heads.read_for(model_record) if config.task != "generate" else None
         schema = result_spec(config, head).schema(source.schema, fingerprint, config.fingerprint, shard.id)
-        out_dir = Path(config.output.dir)
-        ckpt = ShardCheckpoint(out_dir / "checkpoints" / shard.id, shard.start, shard.stop, schema, below=out_dir)
+        run_dir = RunDir(config.output.dir)
+        ckpt = ShardCheckpoint(run_dir.checkpoint(shard.id), shard.start, shard.stop, schema, below=run_dir.root)
         if guard is not None:
             ckpt.guard = guard
         done = ckpt.resume()
         log.info("shard %s: rows [%d, %d), %d done in checkpoints", shard.id, shard.start, shard.stop, len(done))
         attempts = ckpt.attempts()
-        attempt = {
-            "attempt": len(attempts) + 1,
-            "started": _now(),
-            "host": jobinfo.host(),
-            "pid": os.getpid(),
-            "slurm": jobinfo.slurm_info(),
-            "rows_done_before": len(done),
-        }
-        ckpt.log_attempt({"event": "start", **attempt})
+        attempt = records.AttemptStart(
+            attempt=len(attempts) + 1,
+            started=_now(),
+            host=jobinfo.host(),
+            pid=os.getpid(),
+            slurm=jobinfo.slurm_info(),
+            rows_done_before=len(done),
+        )
+        ckpt.log_attempt(attempt)
         try:
             # Before any engine starts: the input is as planned, and the rows kept
             # from earlier attempts do not already fail the shard.
             source.check_unchanged({seg.file for seg in shard.segments})
             budget = ErrorBudget(shard.id, shard.rows, config.errors.max_rate, ckpt.resumed_errors, ckpt.first_error)
         except BaseException as e:
-            ckpt.log_attempt({"event": "end", **_outcome(e), "ended": _now(), "rows_saved": ckpt.saved_inputs})
+            ckpt.log_attempt(_attempt_end(e, ckpt.saved_inputs))
             ckpt.close()
             raise
         for warning in warnings(config.raw):
@@ -177,16 +179,23 @@ class ShardJob:
     def remaining(self) -> int:
         return self.shard.rows - len(self.done)
 
-    @property
-    def progress(self) -> dict[str, Any]:
-        """What every progress.json of this attempt says about who writes it."""
-        return {"attempt": self.attempt["attempt"], "host": self.attempt["host"], "pid": self.attempt["pid"],
-                "job_id": self.attempt["slurm"].get("job_id"), "started": self.started}  # fmt: skip
+    def progress(self, done: int, saved: int, error_reasons: dict[str, int]) -> records.Progress:
+        """This attempt's progress.json: who writes it, and how far it got."""
+        a = self.attempt
+        return records.Progress(attempt=a.attempt, host=a.host, pid=a.pid, job_id=a.slurm.get("job_id"),
+                                started=self.started, time=time.time(), rows=self.shard.rows, done=done,
+                                resumed=len(self.done), saved=saved, error_reasons=error_reasons)  # fmt: skip
 
     def memory_failures(self) -> list[dict[str, Any]]:
         """Earlier attempts that ran out of memory, oldest first: kind, stage, error, settings used."""
-        keys = ("kind", "stage", "error", "settings")
-        return [{k: a.get(k) for k in keys} for a in self.attempts if a["outcome"] == "out_of_memory"]
+        return [{"kind": a.kind, "stage": a.stage, "error": a.error, "settings": a.settings}
+                for a in self.attempts if a.outcome == records.OUT_OF_MEMORY]  # fmt: skip
+
+    def work(self) -> ShardWork:
+        """What the feed reads from and writes to."""
+        return ShardWork(self.shard.id, self.shard.rows, len(self.done), self.remaining_rows(), self.renderer,
+                         self.ckpt, self.config.checkpoint, self.config.prompt.order, self.budget,
+                         self.progress)  # fmt: skip
 
     def remaining_rows(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """``(index, row)`` of each row not done yet, in input order, streamed from the input."""
@@ -199,10 +208,8 @@ class ShardJob:
 
     def record_end(self, error: BaseException, counters: AttemptCounters) -> None:
         """How this attempt ended, for the next one and for the stats."""
-        end = {"event": "end", **_outcome(error), "ended": _now()}
-        end.update(rows_saved=self.ckpt.saved_inputs, rows_generated=counters.rows)
-        try:
-            self.ckpt.log_attempt(end)  # refused (ClaimLost) once the shard is another worker's
+        try:  # refused (ClaimLost) once the shard is another worker's
+            self.ckpt.log_attempt(_attempt_end(error, self.ckpt.saved_inputs, counters.rows))
         except OSError as e:  # a full disk: the error that ended the attempt is the one to raise
             log.warning("shard %s: could not record how the attempt ended: %s", self.shard.id, e)
         finally:
@@ -214,7 +221,8 @@ class ShardJob:
         """Write the shard file from its parts, then its stats, then remove the parts (``ShardCheckpoint.
         commit``: a failure in between leaves the parts for the retry); return the stats."""
         history = self.ckpt.attempts()
-        history[-1].update(outcome=records.COMMITTED, ended=_now(), rows_generated=run.counters.rows)
+        history[-1] = dataclasses.replace(history[-1], outcome=records.COMMITTED, ended=_now(),
+                                          rows_generated=run.counters.rows)  # fmt: skip
         out: dict[str, Any] = {}
 
         def write_stats(table: Any) -> None:
@@ -224,7 +232,7 @@ class ShardJob:
         self.ckpt.commit(output, write_stats)
         return out
 
-    def _stats(self, table: Any, history: list[dict[str, Any]], run: AttemptRun) -> dict[str, Any]:
+    def _stats(self, table: Any, history: list[records.Attempt], run: AttemptRun) -> dict[str, Any]:
         settings = run.settings
         stats = shard_stats(
             self.shard,
@@ -238,7 +246,7 @@ class ShardJob:
             run.engine_delta,
             self.config.task,
         )
-        slurm = self.attempt["slurm"]
+        slurm = self.attempt.slurm
         stats.update(
             fingerprint=self.fingerprint,
             config_fingerprint=self.config.fingerprint,
@@ -250,7 +258,7 @@ class ShardJob:
                 "environment": settings.environment,
                 "batch_invariant": bool(settings.model.get("batch_invariant")),
             },
-            attempts=history,
+            attempts=[a.as_dict() for a in history],
             memory_failures=self.memory_failures(),
             memory_overrides=settings.memory_overrides,
             gpu_devices=settings.gpus,
@@ -262,9 +270,9 @@ class ShardJob:
                 for name, a in (self.model_record.get("adapters") or {}).items()
             },
             peak_rss_mib=jobinfo.peak_rss_mib(),
-            host=self.attempt["host"],
+            host=self.attempt.host,
             nodes=self.config.resources.nodes,  # the engine's; gpus and gpu_hours count all of theirs
-            node_names=multinode.job_nodes() or [self.attempt["host"]],
+            node_names=multinode.job_nodes() or [self.attempt.host],
             node_gpus={multinode.node_name(): settings.gpus, **run.worker_gpus} if run.worker_gpus else None,
             slurm=slurm,
             queue_wait_seconds=slurm.get("queue_wait_seconds"),
@@ -329,8 +337,7 @@ def run_shard(
             with contextlib.nullcontext() if guard else _own(config, shard_id, stop) as claim:
                 if claim is not None and Path(output).exists():  # written since Snakemake started this job
                     manifest = Manifest.load(manifest_path)
-                    files = (Path(output), Path(stats_path))
-                    if committed(config, manifest, manifest.shard(shard_id), Path(output).parent, files):
+                    if committed(config, manifest, manifest.shard(shard_id), output, stats_path):
                         # the job that held the shard (an orphan of a killed controller) committed it
                         log.info("shard %s: committed meanwhile by the job that held it; kept", shard_id)
                         claim.release()
@@ -358,8 +365,8 @@ def _own(config: RunConfig, shard_id: str, stop: _StopFlag) -> Iterator[Any]:
     waits until the other is gone instead of writing beside it. A signal stops the wait."""
     from shardgen.claims import ClaimBoard, Holder
 
-    out_dir = Path(config.output.dir)
-    board = ClaimBoard(out_dir / "claims", Holder.here(-1), config.shards.lease_seconds, below=out_dir,
+    run_dir = RunDir(config.output.dir)
+    board = ClaimBoard(run_dir.claims, Holder.here(-1), config.shards.lease_seconds, below=run_dir.root,
                        sleep=lambda seconds: stop.sleep(seconds, shard_id))  # fmt: skip
     try:
         with board.acquire(shard_id) as claim:
@@ -406,7 +413,7 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
     loras = job.model_record.get("adapters") or {}
     adapters = Adapters(job.config.lora, loras, settings.build) if job.config.lora.adapters else None
     inputs = RowInputs(adapters, job.config.prompt.images)
-    feed = ShardFeed(job, task, tokenizer, llm, stop, counters, window, inputs)
+    feed = ShardFeed(job.work(), task, tokenizer, llm, stop, counters, window, inputs)
     before = engine.counters()
     t1 = time.time()
     try:
@@ -433,7 +440,6 @@ def run_shards(
     config: RunConfig,
     manifest_path: str | Path,
     shard_ids: list[str],
-    shard_dir: str | Path,
     model_record: dict[str, Any] | None = None,
     engine: Engine | None = None,
 ) -> list[dict[str, Any]]:
@@ -444,17 +450,17 @@ def run_shards(
     Returns the stats of the shards generated now.
     """
     manifest = Manifest.load(manifest_path)
-    shard_dir = Path(shard_dir)
+    run_dir = RunDir(config.output.dir)
     own = engine is None
     engine = engine or Engine()
     done = []
     try:
         with _StopFlag() as stop:  # one for the job: a signal between two shards stops the next
             for shard_id in shard_ids:
-                if committed(config, manifest, manifest.shard(shard_id), shard_dir):
+                out, stats = run_dir.shard_file(shard_id), run_dir.shard_stats(shard_id)
+                if committed(config, manifest, manifest.shard(shard_id), out, stats):
                     log.info("shard %s: already committed with this configuration; kept", shard_id)
                     continue
-                out, stats = shard_dir / f"{shard_id}.parquet", shard_dir / f"{shard_id}.stats.json"
                 done.append(run_shard(config, manifest_path, shard_id, out, stats, engine, model_record, stop=stop))
     finally:
         if own:
@@ -466,10 +472,8 @@ def run_worker(
     config: RunConfig,
     manifest_path: str | Path,
     worker: int,
-    shard_dir: str | Path,
     model_record: dict[str, Any] | None = None,
     engine: Engine | None = None,
-    sleep: Callable[[float], None] = time.sleep,
 ) -> dict[str, Any]:
     """One elastic worker (``shards.workers``): claim shards and run each as ``run_shard`` does, on one
     engine, until no shard is left for this worker (``claims.ClaimBoard.next``). Returns the worker's
@@ -477,7 +481,8 @@ def run_worker(
 
     Raises:
         Interrupted: SIGTERM or SIGINT; the shard's rows are saved and its claim kept for this worker's
-            retry (or, after the lease, another worker).
+            retry (or, after the lease, another worker). A worker waiting for a silent claim's lease to
+            run out stops at once.
         OutOfMemory, TooManyErrors, ...: a shard failed; its claim is marked failed, so only this
             worker's retry tries it again.
     """
@@ -485,10 +490,11 @@ def run_worker(
 
     started = time.time()
     manifest = Manifest.load(manifest_path)
-    shard_dir = Path(shard_dir)
-    out_dir = Path(config.output.dir)
+    run_dir = RunDir(config.output.dir)
     holder = Holder.here(worker)
-    board = ClaimBoard(out_dir / "claims", holder, config.shards.lease_seconds, below=out_dir, sleep=sleep)
+    stop = _StopFlag()  # one for the job: a signal between two shards, or during a wait, stops it
+    board = ClaimBoard(run_dir.claims, holder, config.shards.lease_seconds, below=run_dir.root,
+                       sleep=lambda seconds: stop.sleep(seconds, "(none claimed)"))  # fmt: skip
     own = engine is None
     engine = engine or Engine()
     record: dict[str, Any] = {"worker": worker, "host": holder.host, "job_id": holder.job_id, "committed": [],
@@ -496,12 +502,13 @@ def run_worker(
     done: set[str] = set()
 
     def is_done(shard_id: str) -> bool:
-        if shard_id not in done and committed(config, manifest, manifest.shard(shard_id), shard_dir):
+        files = run_dir.shard_file(shard_id), run_dir.shard_stats(shard_id)
+        if shard_id not in done and committed(config, manifest, manifest.shard(shard_id), *files):
             done.add(shard_id)
         return shard_id in done
 
     try:
-        with _StopFlag() as stop:  # one for the job: a signal between two shards stops the next
+        with stop:
             while (claim := board.next([s.id for s in manifest.shards], is_done)) is not None:
                 with claim:
                     shard_id = claim.shard
@@ -511,9 +518,9 @@ def run_worker(
                         record["kept"].append(shard_id)
                         claim.release()
                         continue
-                    out, stats = shard_dir / f"{shard_id}.parquet", shard_dir / f"{shard_id}.stats.json"
                     try:
-                        run_shard(config, manifest_path, shard_id, out, stats, engine, model_record,
+                        run_shard(config, manifest_path, shard_id, run_dir.shard_file(shard_id),
+                                  run_dir.shard_stats(shard_id), engine, model_record,
                                   guard=claim.check, stop=stop)  # fmt: skip
                     except ClaimLost as e:
                         log.warning("%s", e)
@@ -535,25 +542,15 @@ def run_worker(
     return record
 
 
-def committed(
-    config: RunConfig, manifest: Manifest, shard: Shard, shard_dir: Path, files: tuple[Path, Path] | None = None
-) -> bool:
-    """Whether the shard's file and stats (in ``shard_dir``, or ``files``) are already there, made with
-    this config and input."""
-    import pyarrow.parquet as pq
-
-    path, stats = files or (shard_dir / f"{shard.id}.parquet", shard_dir / f"{shard.id}.stats.json")
-    if not path.exists() or not stats.exists():
-        return False
-    meta = pq.read_schema(path).metadata or {}
-    return meta.get(FINGERPRINT_KEY, b"").decode() == shard_fingerprint(config, manifest, shard)
+def committed(config: RunConfig, manifest: Manifest, shard: Shard, path: str | Path, stats: str | Path) -> bool:
+    """Whether the shard's file and stats are committed (``rundir.committed_fingerprint``) with this
+    config and input."""
+    return committed_fingerprint(path, stats) == shard_fingerprint(config, manifest, shard)
 
 
-def main_generate(
-    config, manifest, shards, output, stats, model_record=None, shard_dir=None, record=None, worker=None
-) -> int:
-    """One shard (``output``, ``stats``), several in one job (``shard_dir``, and a job ``record``), or
-    an elastic worker (``worker``, ``shard_dir`` and its ``record``)."""
+def main_generate(config, manifest, shards, output, stats, model_record=None, record=None, worker=None) -> int:
+    """One shard (``output``, ``stats``), several in one job (and the job's ``record``), or an elastic
+    worker (``worker`` and its ``record``); several shards go where the run directory keeps them."""
     from shardgen.fetch import load_record
 
     model = load_record(model_record) if model_record else None
@@ -561,16 +558,16 @@ def main_generate(
     log.info("start on %s%s (pid %d)", jobinfo.host(), f", Slurm job {job}" if job else "", os.getpid())
     try:
         if worker is not None:
-            result = run_worker(config, manifest, worker, shard_dir, model)
+            result = run_worker(config, manifest, worker, model)
             atomic_write_text(record, json.dumps(result, indent=1) + "\n")
             print(f"worker {worker}: {len(result['committed'])} shard(s) committed, "
                   f"{len(result['taken_over'])} taken over, {len(result['lost'])} lost", file=sys.stderr)  # fmt: skip
             return 0
-        if shard_dir is None:
+        if record is None:
             (shard,) = shards
             done = [run_shard(config, manifest, shard, output, stats, model_record=model)]
         else:
-            done = run_shards(config, manifest, shards, shard_dir, model)
+            done = run_shards(config, manifest, shards, model)
     except Interrupted as e:
         print(f"shardgen: {e}", file=sys.stderr)
         return 3
@@ -676,13 +673,14 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def _outcome(error: BaseException) -> dict[str, Any]:
+def _attempt_end(error: BaseException, rows_saved: int, rows_generated: int | None = None) -> records.AttemptEnd:
     """How an attempt ended, for its entry in ``attempts.jsonl``: the outcome the error declares
     (``ShardgenError.outcome``; any other error is ``failed``) and what the next attempt needs of it.
     (No ClaimLost: a worker that lost its claim writes no end record, ``ShardCheckpoint.log_attempt``.)"""
+    end = {"ended": _now(), "rows_saved": rows_saved, "rows_generated": rows_generated}
     if isinstance(error, Interrupted):
-        return {"outcome": error.outcome, "signal": error.signal_name}
+        return records.AttemptEnd(error.outcome, signal=error.signal_name, **end)
     if isinstance(error, OutOfMemory):
-        return {"outcome": error.outcome, **error.record}
+        return records.AttemptEnd(error.outcome, **error.record, **end)
     outcome = getattr(error, "outcome", "failed") if isinstance(error, ShardgenError) else "failed"
-    return {"outcome": outcome, "error": f"{type(error).__name__}: {error}"[:1000]}
+    return records.AttemptEnd(outcome, error=f"{type(error).__name__}: {error}"[:1000], **end)

@@ -28,13 +28,14 @@ from shardgen.io import atomic_write_text
 from shardgen.outputs import CONFIG_KEY, SHARD_KEY, count_problems, rows_per_input
 from shardgen.plan import Manifest
 from shardgen.results import result_spec
+from shardgen.rundir import RunDir
 from shardgen.stats import RunTotals, summary_text
 
 BATCH_ROWS = 8192
 
 
 def _check_shards(
-    manifest: Manifest, shard_dir: Path, expected: Callable[[str | None], str]
+    manifest: Manifest, run_dir: RunDir, expected: Callable[[str | None], str]
 ) -> tuple[RunTotals, dict[str, Any], str | None, dict[str, tuple[int, ...]]]:
     """Check every shard file against the plan and the run's config fingerprint, summing their stats.
 
@@ -58,7 +59,7 @@ def _check_shards(
     run = RunTotals()
     first: dict[str, Any] = {}
     for shard in manifest.shards:
-        path = shard_dir / f"{shard.id}.parquet"
+        path = run_dir.shard_file(shard.id)
         try:
             f = open(path, "rb")  # one open for every check of this file
         except FileNotFoundError:
@@ -77,7 +78,7 @@ def _check_shards(
         missing, repeated = count_problems(index, shard.start, shard.stop, rows_per_input(schema))
         if missing or repeated:
             problems.append(f"shard {shard.id}: {missing} rows missing, {repeated} rows repeated")
-        stats_file = shard_dir / f"{shard.id}.stats.json"
+        stats_file = run_dir.shard_stats(shard.id)
         if not stats_file.exists():
             problems.append(f"shard {shard.id}: stats file {stats_file} missing")
             continue
@@ -146,15 +147,16 @@ def provenance(config: RunConfig, first: dict[str, Any], run: RunTotals, config_
 
 
 def _batches(
-    manifest: Manifest, shard_dir: Path, checked: dict[str, tuple[int, ...]]
+    manifest: Manifest, run_dir: RunDir, checked: dict[str, tuple[int, ...]]
 ) -> Iterator[tuple[pa.Schema, pa.RecordBatch]]:
     """The shards' rows, from the very files ``_check_shards`` checked: a file replaced since (another
     run committing the shard) stops the merge, which then writes nothing."""
     for shard in manifest.shards:
-        with open(shard_dir / f"{shard.id}.parquet", "rb") as f:
+        path = run_dir.shard_file(shard.id)
+        with open(path, "rb") as f:
             if _identity(f) != checked[shard.id]:
                 raise MergeError(
-                    f"merge refused: shard {shard.id}: its file {shard_dir / f'{shard.id}.parquet'} was replaced "
+                    f"merge refused: shard {shard.id}: its file {path} was replaced "
                     "while the merge ran (another run of this output directory?); nothing was written. Rerun"
                 )
             pf = pq.ParquetFile(f)
@@ -165,12 +167,11 @@ def _batches(
 def merge(
     config: RunConfig,
     manifest_path: str | Path,
-    shard_dir: str | Path,
     output: str | Path,
     stats_path: str | Path,
     model_record: str | Path | None = None,
 ) -> dict:
-    """Merge the shard files of a plan into ``output`` (in ``output.format``) and ``stats_path``.
+    """Merge the shard files of a plan (in the run directory) into ``output`` (in ``output.format``) and ``stats_path``.
     ``model_record`` (the fetch step's) gives a pooling task's columns when there are no shard files.
 
     Raises:
@@ -179,9 +180,9 @@ def merge(
             run's config; the message names the shards and counts.
     """
     manifest = Manifest.load(manifest_path)
-    shard_dir = Path(shard_dir)
+    run_dir = RunDir(config.output.dir)
     run, first, config_fp, checked = _check_shards(
-        manifest, shard_dir, lambda version: config.fingerprint_with(version) if version else config.fingerprint
+        manifest, run_dir, lambda version: config.fingerprint_with(version) if version else config.fingerprint
     )
     prov = provenance(config, first, run, config_fp)
 
@@ -191,7 +192,7 @@ def merge(
         head = heads.read_for(load_record(model_record)) if model_record and config.task != "generate" else None
         return result_spec(config, head).schema(manifest.source().schema).remove_metadata()
 
-    formats.write(config.output.format, output, _batches(manifest, shard_dir, checked), empty, prov)
+    formats.write(config.output.format, output, _batches(manifest, run_dir, checked), empty, prov)
     stats = run.result()
     stats["config_fingerprint"] = config_fp
     stats["provenance"] = prov
@@ -200,24 +201,29 @@ def merge(
     return stats
 
 
-def push(config: RunConfig, dataset_path: str | Path, record_path: str | Path) -> dict[str, Any]:
+def push(
+    config: RunConfig, dataset_path: str | Path, stats_path: str | Path, record_path: str | Path
+) -> dict[str, Any]:
     """Push the merged output to ``output.push_to_hub``; the token comes from the environment only.
+    The commit names the fingerprint the merge recorded (``stats_path``): the shards', made where vLLM
+    ran, not this process's, which may have no vLLM (the light environment of a conda run).
 
     ``huggingface_hub`` reads ``HF_TOKEN`` (or the login token) itself; no
     token is passed, logged or written here.
     """
     repo = config.output.push_to_hub
     ds = formats.load(dataset_path)
+    fingerprint = json.loads(Path(stats_path).read_text()).get("config_fingerprint")
     # a new repo is created private: the rows may be sensitive; an existing one keeps its visibility
-    message = f"shardgen output, config fingerprint {config.fingerprint}"
+    message = f"shardgen output, config fingerprint {fingerprint}"
     info = ds.push_to_hub(repo, private=True, commit_message=message)
     record = {"repo_id": repo, "rows": ds.num_rows, "commit": getattr(info, "oid", None)}
     atomic_write_text(record_path, json.dumps(record, indent=1) + "\n")
     return record
 
 
-def main_merge(config, manifest, shard_dir, output, stats_path, model_record=None) -> int:
-    stats = merge(config, manifest, shard_dir, output, stats_path, model_record)
+def main_merge(config, manifest, output, stats_path, model_record=None) -> int:
+    stats = merge(config, manifest, output, stats_path, model_record)
     if stats["num_shards"] == 0:
         print("the input has no rows (input.allow_empty is true): wrote an empty output")
     print(summary_text(stats))

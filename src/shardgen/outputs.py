@@ -10,7 +10,6 @@ only after it is committed.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -25,11 +24,10 @@ import pyarrow.parquet as pq
 from shardgen import records
 from shardgen.errors import InputError
 from shardgen.io import Dir, atomic_write
+from shardgen.rundir import ATTEMPTS, DISCARDED, FINGERPRINT_KEY, PROGRESS
 
 log = logging.getLogger(__name__)
 
-# The shard's fingerprint: its input rows and everything that decides their text.
-FINGERPRINT_KEY = b"shardgen.fingerprint"
 # The content config's fingerprint, which all shards of one run share.
 CONFIG_KEY = b"shardgen.config_fingerprint"
 SHARD_KEY = b"shardgen.shard"
@@ -88,12 +86,9 @@ def write_table(table: pa.Table, path: str | Path, below: str | Path | None = No
     atomic_write(path, lambda f: pq.write_table(table, f, compression="zstd"), below)
 
 
-# What a shard's checkpoint directory holds. shardgen reads, moves or removes
-# only these names; anything else there is left alone.
+# What a shard's checkpoint directory holds: its parts and rundir's ATTEMPTS, PROGRESS and
+# DISCARDED. shardgen reads, moves or removes only these names; anything else there is left alone.
 PART_NAME = re.compile(r"part-(\d{6})\.parquet")
-ATTEMPTS = "attempts.jsonl"  # one line per attempt's start and end
-PROGRESS = "progress.json"  # rows finished so far, rewritten every few seconds while a job runs
-DISCARDED = "discarded"  # parts that cannot be reused, moved aside
 # A temporary file of io.Dir.write_atomic for one of the names above (the job died while writing it).
 _TMP_NAME = re.compile(r"\.(part-\d{6}\.parquet|attempts\.jsonl|progress\.json)\.[0-9a-f]{8}\.tmp")
 
@@ -227,21 +222,20 @@ class ShardCheckpoint:
 
     # -- the record of attempts -----------------------------------------------------------------
 
-    def log_attempt(self, record: dict[str, Any]) -> None:
+    def log_attempt(self, record: records.AttemptStart | records.AttemptEnd) -> None:
         """Append one event (an attempt's start or end) to ``attempts.jsonl``; like every write, only while
         the shard is still this attempt's (``guard``): a worker that lost its claim must not end the
         attempt of the worker that took the shard over."""
         self.guard()
-        self.dir.append_line(ATTEMPTS, json.dumps(record, default=str))
+        self.dir.append_line(ATTEMPTS, record.line())
 
-    def attempts(self) -> list[dict[str, Any]]:
-        """Each attempt so far: its start record with its end record's fields (``outcome`` None: it
-        was killed without a word, or is this one)."""
+    def attempts(self) -> list[records.Attempt]:
+        """Each attempt so far (``records.read_attempts``)."""
         return records.read_attempts(self.dir.read_text(ATTEMPTS)) if self.dir.exists(ATTEMPTS) else []
 
-    def write_progress(self, progress: dict[str, Any]) -> None:
+    def write_progress(self, progress: records.Progress) -> None:
         self.guard()
-        self.dir.write_atomic(PROGRESS, lambda f: f.write(json.dumps(progress).encode()))
+        self.dir.write_atomic(PROGRESS, lambda f: f.write(progress.text().encode()))
 
     # -- commit -----------------------------------------------------------------------------------
 

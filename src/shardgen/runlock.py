@@ -15,8 +15,11 @@ file systems, NFS with its lock manager, GPFS, BeeGFS with global locks and
 Lustre mounted with ``flock``.
 
 Where the file system has no record locks (Lustre mounted without ``flock``
-answers ENOSYS; some others ENOLCK or EOPNOTSUPP), the run says so and falls
-back to a lock file created with ``O_EXCL`` (atomic on every one of them,
+answers ENOSYS; some others ENOLCK or EOPNOTSUPP), or has locks that only the
+node taking them sees (NFS mounted ``nolock`` or ``local_lock=all|posix``,
+Lustre mounted ``localflock``, BeeGFS without global locks, its default: the
+mount table says so, ``node_local_locks``), the run says so and also takes a
+lock file created with ``O_EXCL`` (atomic on every one of them,
 NFSv3 and later included): ``<output.dir>/.shardgen-run.held``, naming its
 run, its modification time renewed every ``HEARTBEAT_S`` by a thread of the
 controller. A killed controller leaves it behind: the next run takes it over
@@ -40,15 +43,44 @@ from typing import Any
 
 from shardgen import jobinfo
 from shardgen.errors import ShardgenError
+from shardgen.rundir import HELD_NAME, RunDir
 
-LOCK_NAME = ".shardgen-run.lock"
-HELD_NAME = ".shardgen-run.held"  # the fallback where the file system has no record locks
 # errno values of a file system without record locks
 NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
 HEARTBEAT_S = 30.0
 LEASE_S = 300.0
 
 log = logging.getLogger(__name__)
+
+
+def node_local_locks(path: str | Path, mounts: str | None = None) -> str | None:
+    """Why record locks on ``path``'s file system hold on this node only (its mount options in
+    ``/proc/self/mounts``, or ``mounts``); None when they hold between nodes, or it cannot be told."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/self/mounts").read_text()
+        except OSError:
+            return None
+    target, best = os.path.realpath(path), None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (target == point or target.startswith(point.rstrip("/") + "/")) and (
+            best is None or len(point) > len(best[1])
+        ):
+            best = fields
+    if best is None:
+        return None
+    fstype, options = best[2], best[3].split(",")
+    if fstype.startswith("nfs") and ("nolock" in options or {"local_lock=all", "local_lock=posix"} & set(options)):
+        return f"{fstype} at {best[1]} is mounted {'nolock' if 'nolock' in options else 'with local locks'}"
+    if fstype == "lustre" and "localflock" in options:
+        return f"lustre at {best[1]} is mounted localflock"
+    if fstype == "beegfs":
+        return f"beegfs at {best[1]} keeps record locks on each node unless its clients set tuneUseGlobalFileLocks"
+    return None
 
 
 class OutputInUse(ShardgenError):
@@ -71,7 +103,8 @@ class RunLock:
             OutputInUse: another process holds it; the message names its host,
                 process, user, working directory and start time.
         """
-        path = Path(out_dir) / LOCK_NAME
+        run_dir = RunDir(out_dir)
+        path = run_dir.lock
         path.parent.mkdir(parents=True, exist_ok=True)
         owner = _owner(workdir, config_fingerprint)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
@@ -83,7 +116,7 @@ class RunLock:
                 log.warning("shardgen: '%s' cannot be locked here (%s): this file system has no record locks; "
                             "using the lock file %s instead", path, e.strerror, HELD_NAME)  # fmt: skip
                 try:
-                    held = _HeldFile.acquire(Path(out_dir) / HELD_NAME, owner, out_dir)
+                    held = _HeldFile.acquire(run_dir.held, owner, out_dir)
                 except BaseException:
                     os.close(fd)
                     raise
@@ -95,6 +128,15 @@ class RunLock:
                         "directory"
                     ) from e
                 raise _in_use(out_dir, read_owner(path)) from None
+        local = None if held else node_local_locks(out_dir)
+        if local:
+            log.warning("shardgen: '%s': %s, so a run on another node would not see this lock; using the lock "
+                        "file %s as well", path, local, HELD_NAME)  # fmt: skip
+            try:
+                held = _HeldFile.acquire(run_dir.held, owner, out_dir)
+            except BaseException:
+                os.close(fd)
+                raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(owner) + "\n").encode(), 0)
         return cls(fd, path, held)

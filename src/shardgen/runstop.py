@@ -60,7 +60,6 @@ log = logging.getLogger(__name__)
 GRACE_S = 50.0
 # How often the run's jobs are looked for and cancelled until the scheduler has ended.
 POLL_S = 2.0
-RECORD_NAME = "stopped.json"
 
 
 class RunStopped(ShardgenError):
@@ -182,10 +181,10 @@ class RunStop:
             self.log.warning(f"shardgen: could not record the stop in {self.record}: {e}")
 
 
-def read_record(logs_dir: str | Path) -> dict[str, Any] | None:
-    """The record of the last stopped run in ``logs_dir``; None when the last run was not stopped."""
+def read_record(path: str | Path) -> dict[str, Any] | None:
+    """The record of the last stopped run (``rundir.RunDir.stopped``); None when it was not stopped."""
     try:
-        return json.loads((Path(logs_dir) / RECORD_NAME).read_text())
+        return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
 

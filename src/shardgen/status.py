@@ -21,7 +21,8 @@ from typing import Any
 
 from shardgen import cluster, records, runstop
 from shardgen.claims import CLAIM_NAME, FAILED
-from shardgen.runlock import LOCK_NAME, read_owner
+from shardgen.rundir import RunDir
+from shardgen.runlock import read_owner
 
 # A running shard whose progress.json is older than this is shown as silent.
 SILENT_AFTER_S = 120.0
@@ -104,11 +105,18 @@ def _json(path: Path) -> Any:
         return None
 
 
-def _attempts(path: Path) -> list[dict[str, Any]]:
+def _attempts(path: Path) -> list[records.Attempt]:
     try:
         return records.read_attempts(path.read_text())
     except OSError:
         return []
+
+
+def _progress(path: Path) -> records.Progress | None:
+    try:
+        return records.read_progress(path.read_text())
+    except OSError:
+        return None
 
 
 def read_status(
@@ -125,14 +133,14 @@ def read_status(
     Raises:
         FileNotFoundError: the run has no plan yet.
     """
-    out = Path(out_dir)
-    manifest = json.loads((out / "plan" / "manifest.json").read_text())
+    run_dir = RunDir(out_dir)
+    manifest = json.loads(run_dir.manifest.read_text())
     now = time.time()
-    shard_files = set(os.listdir(out / "shards")) if (out / "shards").is_dir() else set()
-    ckpt_dirs = set(os.listdir(out / "checkpoints")) if (out / "checkpoints").is_dir() else set()
+    committed = run_dir.committed_shards()
+    ckpt_dirs = set(os.listdir(run_dir.checkpoints)) if run_dir.checkpoints.is_dir() else set()
     failed_claims = set()
-    if (out / "claims").is_dir():
-        for name in os.listdir(out / "claims"):
+    if run_dir.claims.is_dir():
+        for name in os.listdir(run_dir.claims):
             m = CLAIM_NAME.fullmatch(name.removesuffix(FAILED))
             if m and name.endswith(FAILED):
                 failed_claims.add(m.group(1))
@@ -140,23 +148,23 @@ def read_status(
     for entry in manifest["shards"]:
         s = ShardState(entry["id"], entry["stop"] - entry["start"])
         shards.append(s)
-        if f"{s.id}.stats.json" in shard_files and f"{s.id}.parquet" in shard_files:
-            stats = _json(out / "shards" / f"{s.id}.stats.json")
+        if s.id in committed:
+            stats = _json(run_dir.shard_stats(s.id))
             if stats is not None:
                 _from_stats(s, stats)
                 continue
         if s.id in ckpt_dirs:
-            _from_checkpoint(s, out / "checkpoints" / s.id, s.id in failed_claims)
+            _from_checkpoint(s, run_dir, s.id in failed_claims)
     queued = [] if squeue is False else cluster.squeue() if squeue is True else cluster.parse_squeue(squeue())
     jobs = {job.job_id: job.state for job in queued}
     if workdir is None:
         try:
-            workdir = read_owner(out / LOCK_NAME).get("workdir")
+            workdir = read_owner(run_dir.lock).get("workdir")
         except (OSError, ValueError):
             workdir = None
     workdir = str(Path(workdir or Path.cwd()).absolute())
     pending = [job for job in queued if job.state == "PENDING" and job.workdir == workdir]
-    return RunStatus(out, shards, now, window_s, jobs, pending, runstop.read_record(out / "logs"))
+    return RunStatus(run_dir.root, shards, now, window_s, jobs, pending, runstop.read_record(run_dir.stopped))
 
 
 def _from_stats(s: ShardState, stats: dict[str, Any]) -> None:
@@ -169,26 +177,27 @@ def _from_stats(s: ShardState, stats: dict[str, Any]) -> None:
         s.span = (ended - seconds, ended, generated)
 
 
-def _from_checkpoint(s: ShardState, ckpt: Path, failed_claim: bool) -> None:
-    attempts = _attempts(ckpt / "attempts.jsonl")
-    progress = _json(ckpt / "progress.json") or {}
-    last = attempts[-1] if attempts else {}
-    s.attempt, s.host = last.get("attempt"), last.get("host")
-    s.job_id = (last.get("slurm") or {}).get("job_id")
-    if progress.get("attempt") == last.get("attempt"):
-        s.done, s.resumed = progress.get("done", 0), progress.get("resumed", 0)
-        s.updated = progress.get("time")
-        s.error_reasons = progress.get("error_reasons") or {}
-        started = progress.get("started")
-        if started and s.updated and s.updated > started:
-            s.rate = (s.done - s.resumed) / (s.updated - started)
-            s.span = (started, s.updated, s.done - s.resumed)
-    else:
-        s.done = s.resumed = last.get("rows_saved") or last.get("rows_done_before") or 0
-    outcome = last.get("outcome")
-    if records.is_failure(outcome) or failed_claim:
-        s.state, s.error = "failed", f"{outcome}: {last.get('error') or last.get('kind') or ''}".strip(": ")
-    elif outcome is None and attempts:
+def _from_checkpoint(s: ShardState, run_dir: RunDir, failed_claim: bool) -> None:
+    attempts = _attempts(run_dir.attempts(s.id))
+    progress = _progress(run_dir.progress(s.id))
+    if not attempts:
+        if failed_claim:
+            s.state = "failed"
+        return
+    last = attempts[-1]
+    s.attempt, s.host, s.job_id = last.attempt, last.host, last.slurm.get("job_id")
+    if progress is not None and progress.attempt == last.attempt:
+        s.done, s.resumed, s.updated = progress.done, progress.resumed, progress.time
+        s.error_reasons = progress.error_reasons
+        if progress.time > progress.started:
+            s.rate = (s.done - s.resumed) / (progress.time - progress.started)
+            s.span = (progress.started, progress.time, s.done - s.resumed)
+    if last.outcome is not None or progress is None or progress.attempt != last.attempt:
+        # an attempt that has ended (or not yet reported): what the next one resumes
+        s.done = s.resumed = last.rows_saved or last.rows_done_before or 0
+    if last.failed or failed_claim:
+        s.state, s.error = "failed", f"{last.outcome}: {last.error or last.kind or ''}".strip(": ")
+    elif last.outcome is None:
         s.state = "running"
 
 

@@ -18,6 +18,7 @@ from shardgen.feed import TooManyErrors
 from shardgen.generate import Interrupted, run_shard
 from shardgen.outputs import ShardCheckpoint
 from shardgen.plan import write_manifest
+from shardgen.rundir import RunDir
 from tests.conftest import base_config, changed, make_rows, write_parquet
 from tests.integration.workflow import part_rows
 
@@ -285,18 +286,18 @@ def test_several_shards_in_one_job_share_the_engine_and_a_retry_keeps_the_commit
     from shardgen.generate import run_shards
 
     config, manifest = plan(tmp_path, make_rows(20))  # shards of 8: 00000, 00001, 00002
-    shard_dir = tmp_path / "shards"
-    shard_dir.mkdir()
+    shard_dir = RunDir(config.output.dir).shards
+    shard_dir.mkdir(parents=True)
     run_shard(config, manifest, "00000", shard_dir / "00000.parquet", shard_dir / "00000.stats.json", engine)
     before = (shard_dir / "00000.parquet").stat().st_mtime_ns
     # the retry of a job that died after its first shard
-    done = run_shards(config, manifest, ["00000", "00001", "00002"], shard_dir, engine=engine)
+    done = run_shards(config, manifest, ["00000", "00001", "00002"], engine=engine)
     assert [s["shard"] for s in done] == ["00001", "00002"], "the committed shard is kept, the others run"
     assert (shard_dir / "00000.parquet").stat().st_mtime_ns == before
     assert pq.read_table(shard_dir / "00002.parquet").column("row_index").to_pylist() == list(range(16, 20))
     # a shard made with another config is not kept
     config = changed(config, "sampling", max_tokens=6)
-    done = run_shards(config, manifest, ["00000"], shard_dir, engine=engine)
+    done = run_shards(config, manifest, ["00000"], engine=engine)
     assert [s["shard"] for s in done] == ["00000"]
     assert engine.llm.llm_engine.get_num_unfinished_requests() == 0, "the shared engine is still there, idle"
 
@@ -448,3 +449,53 @@ def test_an_engine_core_killed_mid_shard_fails_the_attempt_at_once_and_keeps_its
     assert end["outcome"] == "failed" and "EngineDeadError" in end["error"]
     assert 2 <= end["rows_saved"] < 16, "the rows finished before the engine died are saved"
     assert part_rows(tmp_path / "out" / "checkpoints" / "00000") == end["rows_saved"]
+
+
+def test_a_run_directory_written_by_the_real_writers_reads_back_alike_in_status_merge_and_the_report(
+    tmp_path, engine, monkeypatch
+):
+    """The run directory is the contract between the jobs, ``shardgen status``, the merge and the
+    report. Here it is written by the real writers only (the plan, a job of several shards, an attempt
+    stopped by SIGTERM after a save, its retry) and each reader reads it back: they agree on rows,
+    row errors, resumed rows and attempts. (Records built by hand in unit tests cannot see a writer
+    and its readers drift apart.)"""
+    from shardgen.generate import run_shards
+    from shardgen.merge import merge
+    from shardgen.report import FILES, make_plots
+    from shardgen.status import format_status, read_status
+
+    rows = make_rows(20)
+    rows[3]["topic"] = "very long " * 2000  # beyond max_model_len: a row error
+    data = write_parquet(tmp_path / "in.parquet", rows)
+    run_dir = RunDir(tmp_path / "results")
+    config = base_config({"parquet": [str(data)]}, output={"dir": str(run_dir.root)}, checkpoint={"rows": 2},
+                         errors={"max_rate": 0.2})  # fmt: skip
+    write_manifest(config, run_dir.manifest)  # shards of 8: 00000, 00001, 00002 (4 rows)
+    run_shards(config, run_dir.manifest, ["00000", "00001"], engine=engine)
+    with monkeypatch.context() as m:
+        stop_after_first_flush(m)  # one request at a time: the stop lands after 2 of its 4 rows
+        with pytest.raises(Interrupted, match="stopped by SIGTERM"):
+            run_shard(config, run_dir.manifest, "00002", run_dir.shard_file("00002"), run_dir.shard_stats("00002"),
+                      engine, window=1)  # fmt: skip
+    st = read_status(run_dir.root, squeue=False)
+    assert [s.state for s in st.shards] == ["done", "done", "pending"], format_status(st)
+    assert st.shards[2].done == 2 and st.rows_done == 18 and st.errors() == {"prompt_too_long": 1}
+
+    (generated,) = run_shards(config, run_dir.manifest, ["00000", "00001", "00002"], engine=engine)
+    assert generated["shard"] == "00002" and generated["rows_resumed"] == 2
+    stopped, finished = generated["attempts"]
+    assert (stopped["outcome"], stopped["signal"], stopped["rows_saved"]) == ("interrupted", "SIGTERM", 2)
+    assert (finished["outcome"], finished["rows_done_before"]) == ("committed", 2)
+    st = read_status(run_dir.root, squeue=False)
+    assert [s.state for s in st.shards] == ["done"] * 3 and (st.rows_done, st.rows_resumed) == (20, 2)
+    assert "rows: 20 of 20 done (100.0%), 2 of them from checkpoints" in format_status(st)
+
+    stats = merge(config, run_dir.manifest, run_dir.merged("parquet"), run_dir.stats)
+    assert (stats["rows"], stats["rows_resumed"], stats["errors"]) == (st.rows_done, st.rows_resumed, 1)
+    assert stats["error_reasons"] == st.errors()
+    assert [s["shard"] for s in stats["shards"]] == [s.id for s in st.shards]
+    table = pq.read_table(run_dir.merged("parquet"))
+    assert table.column("row_index").to_pylist() == list(range(20))
+    written = make_plots(run_dir.stats, run_dir.merged("parquet"), run_dir.plots)
+    assert sorted(p.name for p in written) == sorted(FILES)
+    assert "20" in (run_dir.plots / "totals.html").read_text()

@@ -158,7 +158,6 @@ def test_an_empty_dataset_is_an_error_unless_allowed(tmp_path, capsys):
     assert main(args) == 0
     out, stats = tmp_path / "out.parquet", tmp_path / "stats.json"
     assert main(["merge", "--config", str(tmp_path / "c.json"), "--manifest", str(tmp_path / "m.json"),
-                 "--shard-dir", str(tmp_path / "shards"),
                  "--output", str(out), "--stats", str(stats)]) == 0  # fmt: skip
     table = pq.read_table(out)
     assert table.num_rows == 0 and {"id", "topic", "generation", "error"} <= set(table.column_names)

@@ -10,6 +10,7 @@ import pytest
 
 from shardgen import runstop
 from shardgen.cluster import PendingWatcher
+from shardgen.rundir import RunDir
 from tests.conftest import make_rows, write_parquet
 from tests.integration.workflow import BIN, Background, run_workflow, slurm_jobs, workflow_config
 
@@ -84,7 +85,7 @@ def test_a_run_whose_job_can_never_start_stops_and_cancels_it_instead_of_waiting
     assert "Stopping the run; its jobs are cancelled" in text and "cancelled the run's Slurm job(s)" in text
     jobs = slurm_jobs(tmp_path)
     assert jobs and set(jobs.values()) == {"CANCELLED"}, jobs
-    record = runstop.read_record(tmp_path / "results" / "logs")
+    record = runstop.read_record(RunDir(tmp_path / "results").stopped)
     assert said in record["reason"] and record["cancelled_jobs"] == sorted(jobs)
     status = subprocess.run([str(BIN / "shardgen"), "status", "--dir", "results"], cwd=tmp_path, capture_output=True,
                             text=True).stdout  # fmt: skip

@@ -22,3 +22,30 @@ def test_a_signal_during_one_shard_of_a_job_stops_the_next_before_it_starts(tmp_
             generate.run_shard(None, tmp_path / "no-plan.json", "00001", tmp_path / "out", tmp_path / "stats",
                                engine=running, stop=stop)  # fmt: skip
     assert not any(tmp_path.iterdir())
+
+
+def test_a_worker_waiting_for_a_silent_claims_lease_stops_at_once_on_sigterm(tmp_path):
+    """Every shard is held by another worker whose process lives (this test's parent): the worker waits
+    for its lease (a minute) to run out, and Slurm's SIGTERM ends that wait at once, not after it."""
+    import threading
+    import time
+
+    from shardgen.claims import ClaimBoard, Holder
+    from shardgen.plan import write_manifest
+    from shardgen.rundir import RunDir
+    from tests.conftest import base_config, make_rows, write_parquet
+
+    run_dir = RunDir(tmp_path / "results")
+    data = write_parquet(tmp_path / "in.parquet", make_rows(4))
+    config = base_config({"parquet": [str(data)]}, output={"dir": str(run_dir.root)},
+                         shards={"rows_per_shard": 8, "workers": 1, "lease_seconds": 60})  # fmt: skip
+    write_manifest(config, run_dir.manifest)
+    other = Holder(worker=1, token="other", host=Holder.here(0).host, job_id=None, pid=os.getppid())
+    assert ClaimBoard(run_dir.claims, other, 60, below=run_dir.root).claim("00000") is not None
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(Interrupted, match="stopped by SIGTERM"):
+        generate.run_worker(config, run_dir.manifest, 0, engine=Engine(llm=object()))
+    timer.join()
+    assert time.monotonic() - started < 5, "the wait ended with the signal, not with the lease"

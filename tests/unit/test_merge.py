@@ -35,8 +35,9 @@ def config(**output):
     return base_config({"parquet": ["in.parquet"]}, output={"dir": "results", **output})
 
 
-def merge(*args, **output):
-    return merge_files(config(**output), *args)
+def merge(manifest, shard_dir, *args, **output):
+    """Merge the shards in ``shard_dir``, the ``shards/`` of the run directory its parent is."""
+    return merge_files(config(dir=str(shard_dir.parent), **output), manifest, *args)
 
 
 def write_shard(shard_dir, shard_id, indexes, config_fp=None, samples=1, vllm=None):
@@ -187,7 +188,7 @@ def test_push_to_hub_sends_the_merged_rows_with_the_token_from_the_environment_o
 
     monkeypatch.setattr(datasets.Dataset, "push_to_hub", fake_push)
     c = config(format="jsonl", push_to_hub="org/reviews-labelled")
-    record = push(c, tmp_path / "out.jsonl", tmp_path / "pushed.json")
+    record = push(c, tmp_path / "out.jsonl", tmp_path / "s.json", tmp_path / "pushed.json")
     ((repo, rows, kwargs),) = calls
     assert repo == "org/reviews-labelled" and rows == 10 and "token" not in kwargs and kwargs["private"] is True
     assert record == {"repo_id": "org/reviews-labelled", "rows": 10, "commit": "abc123"}
@@ -195,8 +196,12 @@ def test_push_to_hub_sends_the_merged_rows_with_the_token_from_the_environment_o
 
 
 def test_merge_decides_from_the_vllm_the_shards_were_made_with_not_from_its_own_environment(tmp_path, monkeypatch):
-    """The conda deployment merges in an environment without vLLM: its own probe says 'unknown'."""
+    """The conda deployment merges (and pushes) in an environment without vLLM: its own probe says
+    'unknown'. The push's commit names the fingerprint of the shards, not of the pushing process."""
+    import datasets
+
     from shardgen import config as cfg
+    from shardgen.merge import push
 
     for shard_id, a, b in PLAN:
         write_shard(tmp_path / "shards", shard_id, range(a, b), vllm="0.32.0")
@@ -204,6 +209,10 @@ def test_merge_decides_from_the_vllm_the_shards_were_made_with_not_from_its_own_
     assert config().fingerprint != config().fingerprint_with("0.32.0"), "the merging process cannot see vLLM"
     stats = merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "out.parquet", tmp_path / "stats.json")
     assert stats["rows"] == 10 and stats["provenance"]["vllm_version"] == "0.32.0"
+    messages = []
+    monkeypatch.setattr(datasets.Dataset, "push_to_hub", lambda self, repo, **kw: messages.append(kw["commit_message"]))
+    push(config(push_to_hub="org/x"), tmp_path / "out.parquet", tmp_path / "stats.json", tmp_path / "pushed.json")
+    assert messages == [f"shardgen output, config fingerprint {config().fingerprint_with('0.32.0')}"]
 
 
 def test_merge_refuses_shards_made_with_different_vllm_versions_naming_them(tmp_path):

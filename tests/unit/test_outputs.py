@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from shardgen import records
 from shardgen.errors import InputError
 from shardgen.outputs import ShardCheckpoint
+from shardgen.records import AttemptEnd, AttemptStart
 from shardgen.results import ResultSpec
 
 INPUT = pa.schema([pa.field("text", pa.string())])
@@ -146,34 +150,48 @@ def test_a_part_that_cannot_be_reused_is_moved_aside_not_deleted(tmp_path):
     assert "moved to discarded/" in again.discarded[0]
 
 
+def start(attempt: int, host: str) -> AttemptStart:
+    return AttemptStart(attempt, "2026-01-01T00:00:00+00:00", host, 1, {}, 0)
+
+
 def test_each_attempt_is_recorded_with_how_it_ended(tmp_path):
     ck = checkpoint(tmp_path)
-    ck.log_attempt({"event": "start", "attempt": 1, "host": "n1"})
-    ck.log_attempt({"event": "end", "outcome": "interrupted", "signal": "SIGTERM", "rows_saved": 4})
-    ck.log_attempt({"event": "start", "attempt": 2, "host": "n2"})  # killed without a word
-    ck.log_attempt({"event": "start", "attempt": 3, "host": "n3"})
-    assert checkpoint(tmp_path).attempts() == [
-        {"attempt": 1, "host": "n1", "outcome": "interrupted", "signal": "SIGTERM", "rows_saved": 4},
-        {"attempt": 2, "host": "n2", "outcome": None},
-        {"attempt": 3, "host": "n3", "outcome": None},
-    ]
+    ck.log_attempt(start(1, "n1"))
+    ck.log_attempt(AttemptEnd("interrupted", signal="SIGTERM", rows_saved=4))
+    ck.log_attempt(start(2, "n2"))  # killed without a word
+    ck.log_attempt(start(3, "n3"))
+    ck.dir.append_line("attempts.jsonl", '{"event": "end", "outcome": "fa')  # cut by a full disk: skipped
+    attempts = checkpoint(tmp_path).attempts()
+    assert [(a.attempt, a.host, a.outcome) for a in attempts] == [(1, "n1", "interrupted"), (2, "n2", None),
+                                                                  (3, "n3", None)]  # fmt: skip
+    assert (attempts[0].signal, attempts[0].rows_saved, attempts[1].rows_saved) == ("SIGTERM", 4, None)
+
+
+def test_attempt_records_keep_the_fields_they_know_and_carry_their_version():
+    line = start(1, "n1").line()
+    assert json.loads(line)["v"] == records.VERSION
+    later = json.dumps({**json.loads(line), "v": records.VERSION + 1, "gpu_clock_mhz": 1980})  # a later shardgen's
+    (attempt,) = records.read_attempts(later + "\n" + AttemptEnd("committed").line())
+    assert (attempt.attempt, attempt.outcome) == (1, "committed") and not attempt.failed
+    assert records.read_progress("{not json") is None
 
 
 def test_a_writer_that_lost_the_shard_records_nothing_in_the_new_owners_attempts(tmp_path):
     from shardgen.claims import ClaimLost
 
     old = checkpoint(tmp_path)
-    old.log_attempt({"event": "start", "attempt": 1, "worker": 0})
+    old.log_attempt(start(1, "worker-0"))
     new = checkpoint(tmp_path)  # the worker that took the shard over after the lease
-    new.log_attempt({"event": "start", "attempt": 1, "worker": 1})
+    new.log_attempt(start(1, "worker-1"))
 
     def lost():
         raise ClaimLost("shard 00001: worker 1 took it over")
 
     old.guard = lost  # the old worker wakes up
     with pytest.raises(ClaimLost):
-        old.log_attempt({"event": "end", "outcome": "claim_lost"})
-    assert checkpoint(tmp_path).attempts()[-1] == {"attempt": 1, "worker": 1, "outcome": None}, "still running"
+        old.log_attempt(AttemptEnd("failed", error="boom"))
+    last = checkpoint(tmp_path).attempts()[-1]
+    assert (last.host, last.outcome) == ("worker-1", None), "still running"
 
 
 def test_a_commit_that_fails_before_its_stats_are_written_keeps_the_parts_for_the_retry(tmp_path):

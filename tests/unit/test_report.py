@@ -434,13 +434,12 @@ def finished_run(workdir: Path) -> Path:
         pq.write_table(pa.Table.from_pylist(rows, schema=schema), results / "shards" / f"{shard.id}.parquet")
         stats = shard_stats(int(shard.id), shard.rows, rng)
         (results / "shards" / f"{shard.id}.stats.json").write_text(json.dumps(stats))
-    merge(
-        cfg.RunConfig.from_dict(resolved),
-        results / "plan" / "manifest.json",
-        results / "shards",
-        results / "output.parquet",
-        results / "stats.json",
-    )
+    os.chdir(workdir)  # output.dir is relative to it too
+    try:
+        merge(cfg.RunConfig.from_dict(resolved), results / "plan" / "manifest.json", results / "output.parquet",
+              results / "stats.json")  # fmt: skip
+    finally:
+        os.chdir(old)
     # the times of a run that went in DAG order, all in the past
     now = time.time()
     steps = [

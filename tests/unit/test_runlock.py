@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from shardgen.runlock import HELD_NAME, LOCK_NAME, OutputInUse, RunLock
+from shardgen.rundir import HELD_NAME, LOCK_NAME
+from shardgen.runlock import OutputInUse, RunLock
 
 HOLD = """
 import sys, time
@@ -75,3 +76,45 @@ def test_without_record_locks_a_lock_file_refuses_a_live_run_and_is_taken_over_f
     finally:
         holder.kill()
         holder.wait()
+
+
+MOUNTS = """\
+/dev/sda1 / ext4 rw,relatime 0 0
+home:/export /home nfs4 rw,vers=4.2,hard,proto=tcp 0 0
+scratch:/export /scratch nfs rw,vers=3,nolock,hard 0 0
+scratch:/export/fast /scratch/fast nfs4 rw,vers=4.1,local_lock=all 0 0
+mds@o2ib:/lfs /lustre lustre rw,localflock 0 0
+mds@o2ib:/lfs2 /lustre2 lustre rw,flock 0 0
+beegfs_nodev /beegfs beegfs rw,cfgFile=/etc/beegfs/beegfs-client.conf 0 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        ("/home/ada/run/results", None),
+        ("/scratch/ada/results", "nfs at /scratch is mounted nolock"),
+        ("/scratch/fast/results", "nfs4 at /scratch/fast is mounted with local locks"),
+        ("/lustre/ada", "lustre at /lustre is mounted localflock"),
+        ("/lustre2/ada", None),
+        ("/beegfs/ada", "beegfs at /beegfs keeps record locks on each node unless"),
+        ("/tmp/results", None),
+    ],
+)
+def test_the_mount_table_tells_where_record_locks_hold_on_one_node_only(path, why):
+    from shardgen.runlock import node_local_locks
+
+    found = node_local_locks(path, MOUNTS)
+    assert found == why if why is None else found.startswith(why)
+
+
+def test_where_locks_are_node_local_the_run_also_holds_the_lock_file(tmp_path, monkeypatch, caplog):
+    from shardgen import runlock
+
+    monkeypatch.setattr(runlock, "node_local_locks", lambda path: "nfs at /x is mounted nolock")
+    lock = RunLock.acquire(tmp_path, tmp_path, "fp-a")
+    assert (tmp_path / HELD_NAME).exists() and "a run on another node would not see this lock" in caplog.text
+    with pytest.raises(OutputInUse, match="in use by another run"):  # as a controller on another node
+        runlock._HeldFile.acquire(tmp_path / HELD_NAME, {"host": "other"}, tmp_path)
+    lock.release()
+    assert not (tmp_path / HELD_NAME).exists()

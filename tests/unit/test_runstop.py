@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from shardgen import runstop
+from shardgen.rundir import RunDir
 from shardgen.runstop import RunStop, RunStopped
 
 
@@ -27,7 +28,7 @@ class Scheduler:
 def make(tmp_path, cancel, **kwargs):
     unlocked, exits = [], []
     workflow = SimpleNamespace(scheduler=Scheduler(), persistence=SimpleNamespace(unlock=lambda: unlocked.append(1)))
-    stop = RunStop(workflow, tmp_path, ["generate_shard"], record=tmp_path / "logs" / runstop.RECORD_NAME,
+    stop = RunStop(workflow, tmp_path, ["generate_shard"], record=RunDir(tmp_path).stopped,
                    cancel=cancel, exit=exits.append, poll_s=0.01, **kwargs)  # fmt: skip
     return stop, workflow.scheduler, unlocked, exits
 
@@ -49,7 +50,7 @@ def test_a_stop_tells_the_scheduler_once_cancels_the_jobs_and_records_why(tmp_pa
     stop.finish()  # the scheduler has returned
     stop.thread.join(5)
     assert not stop.thread.is_alive() and exits == [] and unlocked == []
-    record = runstop.read_record(tmp_path / "logs")
+    record = runstop.read_record(RunDir(tmp_path).stopped)
     assert record["reason"] == reason and record["cancelled_jobs"] == ["11", "12", "13"]
 
 
@@ -67,15 +68,15 @@ def test_a_controller_that_does_not_end_is_ended_with_its_jobs_cancelled_and_its
     stop.thread.join(5)
     assert exits == [1] and unlocked == [1]
     assert len(cancels) >= 3 and stop.cancelled == {"21"}
-    assert json.loads((tmp_path / "logs" / runstop.RECORD_NAME).read_text())["cancelled_jobs"] == ["21"]
+    assert json.loads(RunDir(tmp_path).stopped.read_text())["cancelled_jobs"] == ["21"]
 
 
 def test_without_a_stop_the_end_cancels_nothing_and_a_new_run_clears_the_old_record(tmp_path):
     stop, _, _, exits = make(tmp_path, lambda workdir, rules: ["31"])
     stop.request("stopped")
     stop.finish()
-    assert runstop.read_record(tmp_path / "logs") is not None and exits == []
+    assert runstop.read_record(RunDir(tmp_path).stopped) is not None and exits == []
     again, scheduler, _, _ = make(tmp_path, lambda workdir, rules: pytest.fail("cancelled without a stop"))
-    assert runstop.read_record(tmp_path / "logs") is None
+    assert runstop.read_record(RunDir(tmp_path).stopped) is None
     again.finish()
     assert scheduler.errors == [] and not again.requested

@@ -3,8 +3,10 @@
 import datetime
 import json
 import time
+from dataclasses import replace
 
 from shardgen.cli import main
+from shardgen.records import AttemptEnd, AttemptStart, Progress
 from shardgen.status import format_status, read_status
 
 
@@ -26,16 +28,18 @@ def make_run(root, now):
     def ckpt(shard, attempts, progress=None):
         d = root / "checkpoints" / shard
         d.mkdir(parents=True)
-        (d / "attempts.jsonl").write_text("".join(json.dumps(a) + "\n" for a in attempts))
+        (d / "attempts.jsonl").write_text("".join(a.line() + "\n" for a in attempts))
         if progress:
-            (d / "progress.json").write_text(json.dumps(progress))
+            (d / "progress.json").write_text(progress.text())
 
-    start = {"event": "start", "attempt": 1, "host": "gpu01", "slurm": {"job_id": "501"}}
-    ckpt("00001", [start], {"attempt": 1, "time": now - 1, "started": now - 101, "done": 60, "resumed": 10,
-                            "error_reasons": {"rejected_by_engine": 1}})  # fmt: skip
-    ckpt("00002", [{**start, "slurm": {"job_id": "502"}}], {"attempt": 1, "time": now - 300, "started": now - 400,
-                                                            "done": 5, "resumed": 0})  # fmt: skip
-    ckpt("00003", [start, {"event": "end", "outcome": "too_many_errors", "error": "TooManyErrors: 60 of 100"}])
+    start = AttemptStart(1, iso(now - 400), "gpu01", 11, {"job_id": "501"}, 0)
+    ckpt("00001", [start], Progress(attempt=1, host="gpu01", pid=11, job_id="501", started=now - 101, time=now - 1,
+                                    rows=100, done=60, resumed=10, saved=50,
+                                    error_reasons={"rejected_by_engine": 1}))  # fmt: skip
+    ckpt("00002", [replace(start, slurm={"job_id": "502"})],
+         Progress(attempt=1, host="gpu01", pid=11, job_id="502", started=now - 400, time=now - 300, rows=100, done=5,
+                  resumed=0, saved=0))  # fmt: skip
+    ckpt("00003", [start, AttemptEnd("too_many_errors", error="TooManyErrors: 60 of 100")])
 
 
 def test_status_counts_rows_and_shards_by_state_and_finds_the_slowest(tmp_path):
@@ -98,6 +102,7 @@ def test_status_reads_the_attempts_the_job_writes_and_any_failure_an_error_decla
     from shardgen import generate
     from shardgen.errors import ShardgenError
     from shardgen.outputs import ShardCheckpoint
+    from shardgen.records import AttemptStart
     from shardgen.results import ResultSpec
 
     class Preempted(ShardgenError):
@@ -110,9 +115,9 @@ def test_status_reads_the_attempts_the_job_writes_and_any_failure_an_error_decla
     ends = [RuntimeError("boom"), Preempted("gone"), generate.Interrupted(15, "00002"), None]
     for shard, error in zip(shards, ends, strict=True):
         ck = ShardCheckpoint(tmp_path / "checkpoints" / shard["id"], shard["start"], shard["stop"], schema)
-        ck.log_attempt({"event": "start", "attempt": 1, "host": "n1", "slurm": {"job_id": "7"}})
+        ck.log_attempt(AttemptStart(1, "2026-01-01T00:00:00+00:00", "n1", 1, {"job_id": "7"}, 0))
         if error is not None:
-            ck.log_attempt({"event": "end", **generate._outcome(error)})
+            ck.log_attempt(generate._attempt_end(error, rows_saved=0))
         ck.close()
     st = read_status(tmp_path, squeue=False)
     assert [s.state for s in st.shards] == ["failed", "failed", "pending", "running"]

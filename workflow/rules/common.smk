@@ -6,10 +6,10 @@ from pathlib import Path
 from shardgen import cluster
 from shardgen import config as shardgen_config
 from shardgen.installed import slurm_plugin_problem
-from shardgen.formats import output_path
 from shardgen.io import restrict_umask
 from shardgen.runlock import RunLock
-from shardgen.runstop import RECORD_NAME, RunStop
+from shardgen.rundir import RunDir
+from shardgen.runstop import RunStop
 from shardgen.sources import input_signature
 from shardgen.stats import summary_text
 
@@ -18,12 +18,10 @@ from shardgen.stats import summary_text
 # users unless output.world_readable: the outputs carry the input's columns.
 restrict_umask(RUN.output.world_readable)
 
-OUT = RUN.output.dir
-PLAN_DIR = f"{OUT}/plan"
-SHARD_DIR = f"{OUT}/shards"
-LOG_DIR = f"{OUT}/logs"
-MERGED = output_path(OUT, RUN.output.format)
-MODEL_RECORD = f"{PLAN_DIR}/model.json"
+# Every path under output.dir, the rules' inputs, outputs and logs included
+# (their wildcards are passed as names: RUN_DIR.shard_file("{shard}")).
+RUN_DIR = RunDir(RUN.output.dir)
+MERGED = RUN_DIR.merged(RUN.output.format)
 # The validated config with defaults filled, which the shardgen commands
 # read: rules pass its path, never a config value. Written while the workflow
 # is parsed, named by the digest of its content (plan/configs/<digest>.json),
@@ -31,7 +29,7 @@ MODEL_RECORD = f"{PLAN_DIR}/model.json"
 # this run's jobs read. (Not a rule's output: a rule that reruns on every
 # config change would, through Snakemake's masking of downstream jobs, hide
 # which shards a change of sampling must rerun.)
-CONFIG_JSON = shardgen_config.write_resolved(config, PLAN_DIR)
+CONFIG_JSON = shardgen_config.write_resolved(config, RUN_DIR.root)
 GPUS = RUN.model.gpus
 # A job over several nodes (resources.nodes): shardgen starts the other nodes'
 # part of the engine itself (shardgen.multinode). `mpi` makes the Slurm
@@ -72,12 +70,12 @@ def start_run():
     it); with Slurm, refuse generate jobs no node can run and watch the queue for jobs that would
     wait for ever."""
     global RUN_LOCK, RUN_STOP, TIME_LIMIT, WATCHER
-    RUN_LOCK = RunLock.acquire(OUT, Path.cwd(), RUN.fingerprint)
+    RUN_LOCK = RunLock.acquire(RUN_DIR.root, Path.cwd(), RUN.fingerprint)
     RUN_STOP = RunStop(  # clears an earlier run's record of its stop
         workflow,
         Path.cwd(),
         [rule.name for rule in workflow.rules],
-        record=f"{LOG_DIR}/{RECORD_NAME}",
+        record=RUN_DIR.stopped,
         logger=logger,
     )
     if workflow.executor_plugin is None or workflow.executor_plugin.name != "slurm":
@@ -138,23 +136,23 @@ def all_shard_outputs(wildcards):
     """What the merge reads: the shards' files (or the jobs' or workers' records), and for a pooling
     task the model record (its labels and embedding size type an output without rows).
     """
-    model = {"model_record": MODEL_RECORD} if RUN.task != "generate" else {}
+    model = {"model_record": RUN_DIR.model_record} if RUN.task != "generate" else {}
     if WORKERS:
         return {
             "workers": expand(
-                f"{SHARD_DIR}/workers/{{worker}}.json", worker=worker_ids()
+                str(RUN_DIR.worker_record("{worker}")), worker=worker_ids()
             ),
             **model,
         }
     if PER_JOB > 1:
         return {
-            "jobs": expand(f"{SHARD_DIR}/job-{{job}}.json", job=list(job_shards())),
+            "jobs": expand(str(RUN_DIR.job_record("{job}")), job=list(job_shards())),
             **model,
         }
     ids = shard_ids()
     return {
-        "parquet": expand(f"{SHARD_DIR}/{{shard}}.parquet", shard=ids),
-        "stats": expand(f"{SHARD_DIR}/{{shard}}.stats.json", shard=ids),
+        "parquet": expand(str(RUN_DIR.shard_file("{shard}")), shard=ids),
+        "stats": expand(str(RUN_DIR.shard_stats("{shard}")), shard=ids),
         **model,
     }
 
@@ -165,10 +163,10 @@ def generate_args(wildcards, output):
     (shards.workers), the shards' directory and the worker's record."""
     q = shlex.quote
     if "worker" in wildcards.keys():
-        return f"--worker {q(wildcards.worker)} --shard-dir {q(SHARD_DIR)} --record {q(output.record)}"
+        return f"--worker {q(wildcards.worker)} --record {q(output.record)}"
     if "job" in wildcards.keys():
         shards = ",".join(job_shards()[wildcards.job])
-        return f"--shard {q(shards)} --shard-dir {q(SHARD_DIR)} --record {q(output.record)}"
+        return f"--shard {q(shards)} --record {q(output.record)}"
     return f"--shard {q(wildcards.shard)} --output {q(output.parquet)} --stats {q(output.stats)}"
 
 
@@ -200,7 +198,7 @@ def slurm_extra(wildcards, attempt):
 
 
 def print_summary():
-    stats = Path(f"{OUT}/stats.json")
+    stats = RUN_DIR.stats
     if stats.exists():
         print(f"\n{summary_text(json.loads(stats.read_text()))}")
         print(f"\noutput: {MERGED}\nstats:  {stats}")

@@ -8,10 +8,10 @@ rule generate_shard:
         # no GPU job starts before the run passed its checks
         preflight=rules.preflight.output.report,
     output:
-        parquet=f"{SHARD_DIR}/{{shard}}.parquet",
-        stats=f"{SHARD_DIR}/{{shard}}.stats.json",
+        parquet=RUN_DIR.shard_file("{shard}"),
+        stats=RUN_DIR.shard_stats("{shard}"),
     log:
-        f"{LOG_DIR}/generate_shard/{{shard}}.log",
+        RUN_DIR.log("generate_shard", "{shard}"),
     conda:
         "../envs/generate.yaml"
     container:
@@ -33,7 +33,7 @@ rule generate_shard:
     params:
         config=run_config,
         # a parameter, not an input: fetching again (a new download_dir) reruns no shard
-        model_record=MODEL_RECORD,
+        model_record=RUN_DIR.model_record,
         # rerun when anything that decides the generated text changes
         fingerprint=RUN.fingerprint,
         # the shards or the worker, and where they go: each value quoted
@@ -47,9 +47,9 @@ rule generate_shard:
 # starts once per job. Each shard still gets its own file, stats and checkpoints.
 use rule generate_shard as generate_shards with:
     output:
-        record=f"{SHARD_DIR}/job-{{job}}.json",
+        record=RUN_DIR.job_record("{job}"),
     log:
-        f"{LOG_DIR}/generate_shards/{{job}}.log",
+        RUN_DIR.log("generate_shards", "{job}"),
 
 
 # shards.workers: W elastic workers, each with one engine, claiming shards
@@ -57,6 +57,6 @@ use rule generate_shard as generate_shards with:
 # worker that stopped for longer than shards.lease_seconds).
 use rule generate_shard as generate_worker with:
     output:
-        record=f"{SHARD_DIR}/workers/{{worker}}.json",
+        record=RUN_DIR.worker_record("{worker}"),
     log:
-        f"{LOG_DIR}/generate_worker/{{worker}}.log",
+        RUN_DIR.log("generate_worker", "{worker}"),

@@ -8,19 +8,18 @@ rule merge_shards:
     output:
         # output.parquet, output.jsonl, or the directory output/ (output.format)
         dataset=MERGED if RUN.output.format != "hf" else directory(MERGED),
-        stats=f"{OUT}/stats.json",
+        stats=RUN_DIR.stats,
     log:
-        f"{LOG_DIR}/merge_shards.log",
+        RUN_DIR.log("merge_shards"),
     localrule: True
     conda:
         "../envs/light.yaml"
     params:
         config=run_config,
-        shard_dir=SHARD_DIR,
         # read by a pooling task's merge, which has it among its inputs (all_shard_outputs)
-        model_record=MODEL_RECORD,
+        model_record=RUN_DIR.model_record,
     shell:
-        "shardgen merge --config {params.config:q} --manifest {input.manifest:q} --shard-dir {params.shard_dir:q}"
+        "shardgen merge --config {params.config:q} --manifest {input.manifest:q}"
         " --output {output.dataset:q} --stats {output.stats:q} --model-record {params.model_record:q} > {log:q} 2>&1"
 
 
@@ -28,15 +27,17 @@ rule merge_shards:
 rule push_to_hub:
     input:
         dataset=rules.merge_shards.output.dataset,
+        stats=rules.merge_shards.output.stats,
     output:
-        record=f"{OUT}/pushed.json",
+        record=RUN_DIR.pushed,
     log:
-        f"{LOG_DIR}/push_to_hub.log",
+        RUN_DIR.log("push_to_hub"),
     localrule: True
     conda:
         "../envs/light.yaml"
     params:
         config=run_config,
     shell:
-        "shardgen push --config {params.config:q} --dataset {input.dataset:q} --record {output.record:q}"
+        "shardgen push --config {params.config:q} --dataset {input.dataset:q} --stats {input.stats:q}"
+        " --record {output.record:q}"
         " > {log:q} 2>&1"

@@ -4,9 +4,9 @@
 
 checkpoint plan_shards:
     output:
-        manifest=f"{PLAN_DIR}/manifest.json",
+        manifest=RUN_DIR.manifest,
     log:
-        f"{LOG_DIR}/plan_shards.log",
+        RUN_DIR.log("plan_shards"),
     localrule: True
     conda:
         "../envs/light.yaml"
@@ -24,9 +24,9 @@ checkpoint plan_shards:
 # so that compute nodes run offline and 500 jobs never hit the hub at once.
 rule fetch_model:
     output:
-        record=MODEL_RECORD,
+        record=RUN_DIR.model_record,
     log:
-        f"{LOG_DIR}/fetch_model.log",
+        RUN_DIR.log("fetch_model"),
     localrule: True
     conda:
         "../envs/light.yaml"

@@ -6,9 +6,9 @@ rule preflight:
         manifest=rules.plan_shards.output.manifest,
         model=rules.fetch_model.output.record,
     output:
-        report=f"{PLAN_DIR}/preflight.json",
+        report=RUN_DIR.preflight,
     log:
-        f"{LOG_DIR}/preflight.log",
+        RUN_DIR.log("preflight"),
     localrule: True
     conda:
         "../envs/generate.yaml"

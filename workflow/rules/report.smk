@@ -7,9 +7,6 @@ from pathlib import Path
 report: "../report/workflow.rst"
 
 
-PLOT_DIR = f"{OUT}/plots"
-
-
 rule plot_stats:
     input:
         stats=rules.merge_shards.output.stats,
@@ -17,37 +14,37 @@ rule plot_stats:
         dataset=rules.merge_shards.output.dataset,
     output:
         totals=report(
-            f"{PLOT_DIR}/totals.html",
+            RUN_DIR.plots / "totals.html",
             caption="../report/totals.rst",
             category="Summary",
             labels={"figure": "Totals"},
         ),
         throughput=report(
-            f"{PLOT_DIR}/throughput.svg",
+            RUN_DIR.plots / "throughput.svg",
             caption="../report/throughput.rst",
             category="Throughput",
             labels={"figure": "Output tokens/s per shard"},
         ),
         time_per_shard=report(
-            f"{PLOT_DIR}/time_per_shard.svg",
+            RUN_DIR.plots / "time_per_shard.svg",
             caption="../report/time_per_shard.rst",
             category="Throughput",
             labels={"figure": "Where the time went"},
         ),
         ttft=report(
-            f"{PLOT_DIR}/ttft.svg",
+            RUN_DIR.plots / "ttft.svg",
             caption="../report/ttft.rst",
             category="Latency",
             labels={"figure": "Time to first token"},
         ),
         token_lengths=report(
-            f"{PLOT_DIR}/token_lengths.svg",
+            RUN_DIR.plots / "token_lengths.svg",
             caption="../report/token_lengths.rst",
             category="Tokens",
             labels={"figure": "Prompt and output lengths"},
         ),
     log:
-        f"{LOG_DIR}/plot_stats.log",
+        RUN_DIR.log("plot_stats"),
     localrule: True
     conda:
         "../envs/light.yaml"
