@@ -89,6 +89,16 @@ TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 _NO_TOKEN_COMMANDS = ("generate", "preflight", "engine-worker")
 
 
+def hide_tokens() -> None:
+    """Drop the Hugging Face token from this process and the processes it starts: the variables, and
+    the token file ``hf auth login`` writes (``$HF_HOME/token``, which ``huggingface_hub`` reads when
+    no variable is set), by pointing ``HF_TOKEN_PATH`` at an empty file. Before ``huggingface_hub``
+    is imported, which reads the path once."""
+    for name in TOKEN_ENV:
+        os.environ.pop(name, None)
+    os.environ["HF_TOKEN_PATH"] = os.devnull
+
+
 def _load(path: str) -> cfg.RunConfig:
     """The command's config; from here on, files it creates are not readable by other users unless
     ``output.world_readable`` (``io.restrict_umask``)."""
@@ -103,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command in _NO_TOKEN_COMMANDS:
-        for name in TOKEN_ENV:
-            os.environ.pop(name, None)
+        hide_tokens()
     try:
         if args.command == "plan":
             from shardgen.plan import write_manifest

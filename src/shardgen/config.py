@@ -121,6 +121,7 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ConfigError: the first error, naming the key.
     """
+    trust.check_size(config)  # before any walk of it
     trust.check_credentials(config)
     errors = sorted(_validator().iter_errors(config), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
     if errors:
@@ -453,6 +454,7 @@ class OutputConfig:
     samples: str = "rows"
     choice_probs: bool = False
     world_readable: bool = False
+    provenance_paths: bool = False
     push_to_hub: str | None = None
 
 

@@ -19,6 +19,7 @@ the engine (``engine_model_args``) and the environment it runs in
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -161,7 +162,7 @@ def _resolve_one(
 
     path = Path(name).expanduser()
     if path.is_dir():
-        return {"source": "local", "path": str(path.absolute())}
+        return {"source": "local", "path": str(path.absolute()), "digest": content_digest(path)}
     if _looks_like_path(name):
         raise FetchError(f"{key}: no such directory: '{name}'")
 
@@ -193,7 +194,31 @@ def _resolve_one(
             raise FetchError(f"{key}: '{name}'{rev} has no weight files vLLM can load (*.safetensors, *.bin, *.pt)")
         record["source"] = "downloaded"
     snap = Path(snapshot)
-    return {**record, "path": str(snap.absolute()), "commit": snap.name}
+    return {**record, "path": str(snap.absolute()), "commit": snap.name, "digest": content_digest(snap)}
+
+
+# Files up to this size go into a model's digest whole; of larger ones, the first and last this many bytes.
+DIGEST_WHOLE_BYTES = 1 << 20
+
+
+def content_digest(directory: Path) -> str:
+    """A digest of a model directory's content, for the provenance, without reading its weights:
+    each file's name and size, small files (configs, tokenizer) whole, and of each large one the
+    blob it links to in a Hugging Face cache (named by the hash of its content) or else its first
+    and last MiB (a safetensors file begins with the names, types and shapes of its tensors)."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        size = file.stat().st_size
+        digest.update(f"{file.relative_to(directory)}\0{size}\0".encode())
+        if file.is_symlink() and size > DIGEST_WHOLE_BYTES:
+            digest.update(Path(os.readlink(file)).name.encode())  # blobs/<sha256 of the content>
+            continue
+        with open(file, "rb") as f:
+            digest.update(f.read(DIGEST_WHOLE_BYTES))
+            if size > DIGEST_WHOLE_BYTES:
+                f.seek(max(size - DIGEST_WHOLE_BYTES, DIGEST_WHOLE_BYTES))
+                digest.update(f.read())
+    return "sha256:" + digest.hexdigest()[:32]
 
 
 def _default_cache() -> str:

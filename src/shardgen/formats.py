@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import datetime
 import decimal
+import hashlib
 import json
 import tempfile
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from shardgen.errors import ShardgenError
 from shardgen.io import atomic_write, atomic_write_text, replace_dir
 
 FORMATS = ("parquet", "jsonl", "hf")
@@ -36,6 +38,10 @@ ROW_GROUP_BYTES = 64 << 20
 
 Batches = Iterator[tuple[pa.Schema, pa.RecordBatch]]
 ColumnReader = Callable[[list[str]], Iterator[pa.RecordBatch]]
+
+
+# The file beside a JSON Lines output that holds its provenance.
+PROVENANCE_SUFFIX = ".provenance.json"
 
 
 def format_of(path: str | Path) -> str:
@@ -64,8 +70,13 @@ def write(fmt: str, path: str | Path, batches: Batches, empty: Callable[[], pa.S
     if fmt == "parquet":
         atomic_write(path, lambda f: _write_parquet(f, batches, empty, meta))
     elif fmt == "jsonl":
-        atomic_write(path, lambda f: _write_jsonl(f, batches))
-        atomic_write_text(f"{path}.provenance.json", json.dumps(provenance, indent=1) + "\n")
+        # The rows and their provenance are two files, each replaced whole; the provenance names the
+        # digest of the rows it describes, so a merge killed between the two renames cannot leave a
+        # pair that seems to agree (``provenance`` checks it).
+        digest = hashlib.sha256()
+        atomic_write(path, lambda f: _write_jsonl(f, batches, digest))
+        text = json.dumps({**provenance, "output_sha256": digest.hexdigest()}, indent=1) + "\n"
+        atomic_write_text(f"{path}{PROVENANCE_SUFFIX}", text)
     elif fmt == "hf":
         _write_hf(Path(path), batches, empty, meta, provenance)
     else:
@@ -108,10 +119,12 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"cannot write a {type(value).__name__} as JSON")
 
 
-def _write_jsonl(f: IO[bytes], batches: Batches) -> None:
+def _write_jsonl(f: IO[bytes], batches: Batches, digest: Any) -> None:
     for _, batch in batches:
         for row in batch.to_pylist():
-            f.write((json.dumps(row, ensure_ascii=False, default=_json_default) + "\n").encode())
+            line = (json.dumps(row, ensure_ascii=False, default=_json_default) + "\n").encode()
+            f.write(line)
+            digest.update(line)
 
 
 def _write_hf(path: Path, batches: Batches, empty: Callable[[], pa.Schema], meta: dict, provenance: dict) -> None:
@@ -150,7 +163,17 @@ def provenance(path: str | Path) -> dict[str, Any]:
     if fmt == "parquet":
         return json.loads((pq.read_schema(path).metadata or {}).get(PROVENANCE_KEY, b"{}"))
     if fmt == "jsonl":
-        return json.loads(Path(f"{path}.provenance.json").read_text())
+        prov = json.loads(Path(f"{path}{PROVENANCE_SUFFIX}").read_text())
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        if prov.get("output_sha256") not in (None, digest.hexdigest()):
+            raise ShardgenError(
+                f"'{path}{PROVENANCE_SUFFIX}' describes other rows than '{path}' holds (a merge stopped between "
+                "writing the two?); run the workflow again, which merges again"
+            )
+        return prov
     return json.loads(load(path).info.description)["shardgen_provenance"]
 
 

@@ -38,11 +38,11 @@ from shardgen.engine import Engine, EngineSettings, clear_thread_env, engine_kwa
 from shardgen.errors import ShardgenError
 from shardgen.feed import ErrorBudget, RowInputs, ShardFeed, ShardWork
 from shardgen.installed import vllm_version
-from shardgen.io import atomic_write_text
+from shardgen.io import Dir, atomic_write_text
 from shardgen.lora import Adapters
 from shardgen.multinode import WorkersLost
 from shardgen.outputs import ShardCheckpoint
-from shardgen.plan import Manifest, Shard
+from shardgen.plan import Manifest, Shard, check_columns
 from shardgen.prompts import PromptRenderer
 from shardgen.results import result_spec
 from shardgen.rundir import RunDir, committed_fingerprint
@@ -96,6 +96,10 @@ def shard_fingerprint(config: RunConfig, manifest: Manifest, shard: Shard) -> st
     return digest({"config": content_config(config.raw), "rows": inputs})
 
 
+# What the stats (and the output's provenance) keep of the model record.
+MODEL_SOURCE_KEYS = ("source", "path", "repo_id", "revision", "commit", "digest")
+
+
 @dataclass
 class ShardJob:
     """One attempt at one shard: what it reads, what is done already, and the record it keeps."""
@@ -143,6 +147,7 @@ class ShardJob:
         source = manifest.source()
         fingerprint = shard_fingerprint(config, manifest, shard)
         head = heads.read_for(model_record) if config.task != "generate" else None
+        check_columns(config, source.schema, source.describe(), head)  # for the config this job runs
         schema = result_spec(config, head).schema(source.schema, fingerprint, config.fingerprint, shard.id)
         run_dir = RunDir(config.output.dir)
         ckpt = ShardCheckpoint(run_dir.checkpoint(shard.id), shard.start, shard.stop, schema, below=run_dir.root)
@@ -229,6 +234,9 @@ class ShardJob:
             out.update(self._stats(table, history, run))
             atomic_write_text(stats_path, json.dumps(out, indent=1, default=str) + "\n", below=self.config.output.dir)
 
+        with Dir.open(Path(output).parent, below=self.config.output.dir) as shards:  # a killed commit's
+            for name in (Path(output).name, Path(stats_path).name):
+                shards.remove_leftovers(name)
         self.ckpt.commit(output, write_stats)
         return out
 
@@ -264,7 +272,7 @@ class ShardJob:
             gpu_devices=settings.gpus,
             gpu_model=", ".join(sorted({g.get("name") or "?" for g in settings.gpus})) or None,
             precision=settings.precision,
-            model_source={k: self.model_record.get(k) for k in ("source", "path", "repo_id", "revision", "commit")},
+            model_source={k: self.model_record.get(k) for k in MODEL_SOURCE_KEYS},
             lora_adapters={
                 name: {k: a.get(k) for k in ("source", "path", "repo_id", "commit")}
                 for name, a in (self.model_record.get("adapters") or {}).items()

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -176,6 +178,22 @@ class Dir:
                 pass
             raise
         os.fsync(self.fd)  # the rename itself survives a crash
+
+    def remove_leftovers(self, name: str) -> list[str]:
+        """Remove what a writer of ``name`` killed mid-write left here: its temporary files
+        (``write_atomic``), the old copy a directory swap set aside (``replace_dir``) and the working
+        directories of a ``datasets`` output; for the one writer of ``name`` to call before it writes.
+        Returns the names removed."""
+        pattern = re.compile(rf"\.{re.escape(name)}\.([0-9a-f]{{8}}\.(tmp|old)|[a-z0-9_]{{8}})")
+        removed = []
+        for entry in os.scandir(self.fd):
+            if pattern.fullmatch(entry.name):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(os.path.join(self.path, entry.name), ignore_errors=True)
+                else:
+                    os.unlink(entry.name, dir_fd=self.fd)
+                removed.append(entry.name)
+        return removed
 
     def append_line(self, name: str, line: str) -> None:
         """Append one whole line, or fail loudly.

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from shardgen import __version__, formats, heads
 from shardgen.config import RunConfig, published_sampling
 from shardgen.errors import MergeError
-from shardgen.io import atomic_write_text
+from shardgen.io import Dir, atomic_write_text
 from shardgen.outputs import CONFIG_KEY, SHARD_KEY, count_problems, rows_per_input
 from shardgen.plan import Manifest
 from shardgen.results import result_spec
@@ -70,6 +70,9 @@ def _check_shards(
             pf = pq.ParquetFile(f)
             schema = pf.schema_arrow
             index = pf.read(columns=["row_index"]).column(0).to_numpy()
+        if len(set(schema.names)) < len(schema.names):  # an input column a result column overwrote
+            twice = sorted({n for n in schema.names if schema.names.count(n) > 1})
+            problems.append(f"shard {shard.id}: the file {path} has more than one column named {twice}")
         meta = schema.metadata or {}
         fp = meta.get(CONFIG_KEY, b"").decode()
         if meta.get(SHARD_KEY, b"").decode() != shard.id:
@@ -125,15 +128,17 @@ def _groups(groups: dict[str, list[str]]) -> str:
 
 
 def provenance(config: RunConfig, first: dict[str, Any], run: RunTotals, config_fp: str | None) -> dict[str, Any]:
-    """Where the rows came from: enough to rerun them, or to tell two outputs apart."""
+    """Where the rows came from: enough to rerun them, or to tell two outputs apart. Local paths are
+    named by their last component only, unless ``output.provenance_paths``."""
     model = config.model
     engine = first.get("engine", {})
     differ = [s["shard"] for s in run.shards if "engine_args" in s]
-    return {
+    prov = {
         "shardgen_version": __version__,
         "config_fingerprint": config_fp,
         "model": model["model"],
         "model_revision": first.get("model_source", {}).get("commit") or model.get("revision"),
+        "model_digest": first.get("model_source", {}).get("digest"),
         "vllm_version": engine.get("vllm_version"),
         "engine_args": engine.get("args"),
         # an attempt after running out of memory uses lower memory settings
@@ -144,6 +149,19 @@ def provenance(config: RunConfig, first: dict[str, Any], run: RunTotals, config_
         "pooling": dict(config.raw["pooling"]) if config.task != "generate" else None,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+    return prov if config.output.provenance_paths else _no_paths(prov)
+
+
+def _no_paths(value: Any) -> Any:
+    """``value`` with every absolute path (a string that starts with ``/`` or ``~``) replaced by
+    ``<local>/`` and its last component: what the provenance says of a local model directory."""
+    if isinstance(value, dict):
+        return {k: _no_paths(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_paths(v) for v in value]
+    if isinstance(value, str) and value.startswith(("/", "~")):
+        return f"<local>/{Path(value).name}"
+    return value
 
 
 def _batches(
@@ -192,6 +210,10 @@ def merge(
         head = heads.read_for(load_record(model_record)) if model_record and config.task != "generate" else None
         return result_spec(config, head).schema(manifest.source().schema).remove_metadata()
 
+    output = Path(output)
+    with Dir.open(output.parent) as d:  # what a killed merge left: this merge is the output's one writer
+        for name in (output.name, f"{output.name}{formats.PROVENANCE_SUFFIX}", Path(stats_path).name):
+            d.remove_leftovers(name)
     formats.write(config.output.format, output, _batches(manifest, run_dir, checked), empty, prov)
     stats = run.result()
     stats["config_fingerprint"] = config_fp

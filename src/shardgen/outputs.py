@@ -43,15 +43,24 @@ def check_input_columns(
     keyed_columns: Mapping[str, str | None],
     result_columns: Iterable[str],
     prompt_key: str = "prompt.template",
+    where: str = "the input",
 ) -> None:
-    """Check the columns the run reads exist and none clashes with a result column.
+    """Check the input's column names are unique, the columns the run reads exist, and none clashes
+    with a result column (which would overwrite it).
 
     Args:
         keyed_columns: the columns config keys name (``input.id_column``, ``lora.column``), by key.
+        where: the input, as the message names it.
 
     Raises:
         InputError: naming the column.
     """
+    seen: set[str] = set()
+    if twice := sorted({n for n in schema.names if n in seen or seen.add(n)}):
+        raise InputError(
+            f"input: {where} has more than one column named {', '.join(map(repr, twice))}; a row can hold only one "
+            "value for a name, so the others would be lost. Rename them in the input"
+        )
     names = set(schema.names)
     available = ", ".join(schema.names)
     for col in sorted(prompt_columns):
@@ -61,7 +70,11 @@ def check_input_columns(
         if col and col not in names:
             raise InputError(f"{key}: the input has no column '{col}' (it has: {available})")
     if clash := sorted(names & set(result_columns)):
-        raise InputError(f"input: the column(s) {clash} clash with the columns shardgen adds; rename them in the input")
+        raise InputError(
+            f"input: {where} has the column(s) {clash}, which this config's output also has (shardgen adds them "
+            "for the task and sampling settings); the output would overwrite the input's values. Rename them in "
+            "the input"
+        )
 
 
 def rows_per_input(schema: pa.Schema) -> int:

@@ -111,6 +111,27 @@ def make_balanced_shards(
     return shards_between(source, cuts), [work_to(b) - work_to(a) for a, b in itertools.pairwise(cuts)]
 
 
+def check_columns(config: RunConfig, schema: Any, where: str, head: Any = None) -> None:
+    """The input's columns (``schema``, of ``where``) for this config: unique, with every column the
+    config reads, and none that a result column of this config would overwrite. Checked when the
+    plan is made, and again by the preflight, by every job and by the merge, for the config each
+    runs with: a change of sampling that adds a column (``structured_outputs.choice`` adds
+    ``label``; ``n`` > 1 adds ``sample_index``) does not plan again.
+
+    Raises:
+        InputError: naming the column and where it is.
+    """
+    from shardgen.outputs import check_input_columns
+    from shardgen.prompts import PromptRenderer
+    from shardgen.results import result_spec
+
+    renderer = PromptRenderer.from_config(config.prompt)
+    prompt_key = "prompt.messages_column" if renderer.messages_column else "prompt.template"
+    keyed = {"input.id_column": config.input.id_column, "lora.column": config.lora.column}
+    keyed |= {f"prompt.images[{i}]": c for i, c in enumerate(config.prompt.images)}
+    check_input_columns(schema, renderer.columns, keyed, result_spec(config, head).names, prompt_key, where)
+
+
 def build_manifest(config: RunConfig) -> dict[str, Any]:
     """The manifest for a run.
 
@@ -118,17 +139,11 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
         InputError: the input cannot be read, or a column the run needs is
             missing, or a column would clash with the output's own columns.
     """
-    from shardgen.outputs import check_input_columns
     from shardgen.prompts import PromptRenderer
-    from shardgen.results import result_spec
 
     source = open_source(config.input)
     renderer = PromptRenderer.from_config(config.prompt)
-    result_columns = result_spec(config).names
-    prompt_key = "prompt.messages_column" if renderer.messages_column else "prompt.template"
-    keyed = {"input.id_column": config.input.id_column, "lora.column": config.lora.column}
-    keyed |= {f"prompt.images[{i}]": c for i, c in enumerate(config.prompt.images)}
-    check_input_columns(source.schema, renderer.columns, keyed, result_columns, prompt_key)
+    check_columns(config, source.schema, source.describe())
     if source.num_rows == 0 and not config.input.allow_empty:
         raise InputError(
             f"input: {source.describe()} has no rows; nothing to generate. "

@@ -24,13 +24,13 @@ import pyarrow.compute as pc
 from shardgen import engine as eng
 from shardgen import heads, lora
 from shardgen.config import RunConfig, engine_version, warnings
-from shardgen.errors import RowError, ShardgenError
+from shardgen.errors import InputError, RowError, ShardgenError
 from shardgen.gpus import FP4_WEIGHT_FORMATS, FP8_WEIGHT_FORMATS, MXFP4_WEIGHT_FORMATS, checkpoint_quant_method
 from shardgen.images import row_images
 from shardgen.installed import version_problem, vllm_build
 from shardgen.io import atomic_write_text
 from shardgen.kernels import kernel_problem
-from shardgen.plan import Manifest
+from shardgen.plan import Manifest, check_columns
 from shardgen.prompts import PromptRenderer
 
 # Weight formats that need a CUDA GPU: vLLM's CPU build has no kernels for them.
@@ -280,8 +280,13 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
             f"({own[1]} = {own[0]} in {model_dir / 'config.json'}); vLLM refuses to start with it"
         )
     problems += lora.problems(model_cfg, record.get("adapters") or {})
-    if config.task != "generate":
-        problems += heads.problems(config.task, heads.Head.read(model_dir), model_cfg, config.raw["pooling"])
+    head = heads.Head.read(model_dir) if config.task != "generate" else None
+    try:  # for this config: a change of sampling can add a result column without planning again
+        check_columns(config, source.schema, source.describe(), head)
+    except InputError as e:
+        problems.append(str(e))
+    if head is not None:
+        problems += heads.problems(config.task, head, model_cfg, config.raw["pooling"])
     elif max_len is not None and sampling.max_tokens >= max_len:
         problems.append(
             f"sampling.max_tokens ({sampling.max_tokens}) leaves no room for a prompt in the model's "

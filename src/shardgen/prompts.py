@@ -15,6 +15,7 @@ from the prefix cache.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -84,7 +85,7 @@ class PromptRenderer:
                 if recursive := recursive_macros(parsed):
                     raise ConfigError(f"{key}: the macro(s) {', '.join(recursive)} call themselves; "
                                       "recursion is not allowed in prompt templates")  # fmt: skip
-                with RenderBudget():
+                with RenderBudget() as budget, budget.render():
                     self._template = env.from_string(parsed)
             except TemplateTimeout:
                 raise ConfigError(f"{key}: compiling it took too long") from None
@@ -135,11 +136,7 @@ class PromptRenderer:
             if isinstance(value, bytes):
                 values[name] = _decode(name, value)
         try:
-            if budget is None:
-                with RenderBudget():
-                    text = self._render(values)
-            else:
-                budget.restart()
+            with contextlib.nullcontext(budget) if budget else RenderBudget() as b, b.render():
                 text = self._render(values)
         except TemplateTimeout:
             seconds = budget.seconds if budget else RenderBudget().seconds

@@ -14,6 +14,10 @@ but bounds nothing: ``{{ 3**(2*10**7) }}`` was computed at compile time
   count (``center``, ``indent``, ``wordwrap``, ``format``, ``replace``,
   ``batch``, ``slice``...), string concatenation (``~``) and namespace
   assignments check their arguments before, and their results after;
+- what a result's size depends on is checked before it is built: a format's
+  fields and widths, written in it or passed as arguments (``str.format``,
+  ``%``, the ``format`` filter), ``expandtabs``, ``indent`` and ``join`` (the
+  filter and the method) of the values given;
 - ``range`` counts its iterations over the whole render (``MAX_ITERATIONS``);
 - recursive macros are refused when the template is compiled;
 - a render has a deadline (``RENDER_SECONDS``): checked at every call,
@@ -26,6 +30,7 @@ the renderer turns into a row error.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import re
@@ -100,18 +105,62 @@ def _check_count(n: Any, what: str) -> None:
         raise TemplateBoundError(f"{what} of {n}, more than {MAX_ITEMS}")
 
 
-def _check_format(fmt: Any) -> None:
-    """Widths and precisions in a %-format or a str.format string."""
-    if not isinstance(fmt, str):
-        return
-    specs = re.findall(r"%[-#0 +(\w)]*[\d.*]*", fmt)
-    try:
-        specs += [spec for _, _, spec, _ in string.Formatter().parse(fmt) if spec]
-    except ValueError:
-        pass  # not a str.format string; str.format would fail on it anyway
-    for spec in specs:
-        for number in re.findall(r"\d+", spec):
-            _check_count(int(number), "a format width")
+def _text_size(value: Any) -> int:
+    """At most how many characters ``value`` gives when formatted or joined (its ``str``), counted
+    without building it; a container stops counting once past the bound."""
+    if isinstance(value, str | bytes):
+        return len(value) + 3 * isinstance(value, bytes)
+    if isinstance(value, bool) or value is None:
+        return 5
+    if isinstance(value, int):
+        return value.bit_length() * 3 // 10 + 2
+    if isinstance(value, list | tuple | set | frozenset | dict):
+        total = 2
+        for item in value.items() if isinstance(value, dict) else value:
+            total += _text_size(item) + 2
+            if total > MAX_ITEMS:
+                break
+        return total
+    return 64  # a float, a date: short
+
+
+def _format_size(fmt: str, values: list[Any], style: str) -> int:
+    """At most how many characters ``fmt`` (``style`` "{" for ``str.format``, "%" for ``%``) gives
+    with ``values``: each field at most the largest value, padded to the largest width, whether the
+    width is written in the format or passed as an argument (``{0:>{1}}``, ``%*d``)."""
+    if style == "{":
+        try:
+            specs = [spec or "" for _, name, spec, _ in string.Formatter().parse(fmt) if name is not None]
+        except ValueError:
+            return len(fmt)  # not a format string: str.format fails on it
+    else:
+        specs = re.findall(r"%(?:\([^)]*\))?[-#0 +]*(?:\*|\d+)?(?:\.(?:\*|\d+))?", fmt)
+    widths = [int(n) for spec in specs for n in re.findall(r"\d+", spec)]
+    if any("{" in spec or "*" in spec for spec in specs):  # widths passed as arguments
+        widths += [abs(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    largest = max(map(_text_size, values), default=0)
+    return len(fmt) + len(specs) * (largest + max(widths, default=0))
+
+
+def _check_format(fmt: Any, values: Any, style: str) -> None:
+    """Refuse a format whose result would be too large, before it is built."""
+    if isinstance(fmt, str):
+        if style == "%":
+            values = list(values.values()) if isinstance(values, dict) else list(values)
+        _check_count(_format_size(fmt, values, style), "a formatted string of")
+
+
+def _sized(items: Any) -> list[Any]:
+    """The items of an iterable, as a list (a generator is read once, within the range budget)."""
+    return items if isinstance(items, list) else list(items)
+
+
+def _check_join(items: list[Any], separator: Any) -> None:
+    total = len(str(separator)) * max(len(items) - 1, 0)
+    for item in items:
+        total += _text_size(item)
+        if total > MAX_ITEMS:
+            _check_count(total, "a joined string of")
 
 
 def _check_replace(text: Any, old: Any, new: Any, count: Any = -1) -> None:
@@ -135,9 +184,19 @@ def _bounded_filter(name: str, func: Any) -> Any:
             if width_at is not None:
                 _check_count(value, f"the {name} filter's argument")
         if name == "format" and values:
-            _check_format(values[0])
+            _check_format(values[0], tuple(kwargs.values()) or values[1:], "%")
         if name == "replace" and len(values) >= 3:
             _check_replace(*values[:4])
+        if name == "indent" and values and isinstance(values[0], str):
+            width = values[1] if len(values) > 1 else kwargs.get("width", 4)
+            width = width if isinstance(width, int) else len(str(width))
+            _check_count(len(values[0]) + (values[0].count("\n") + 1) * width, "an indented string of")
+        if name == "join" and values:
+            at = next((i for i, a in enumerate(args) if a is values[0]), None)
+            items = _sized(values[0])
+            _check_join(items, values[1] if len(values) > 1 else kwargs.get("d", ""))
+            if at is not None:
+                args = (*args[:at], items, *args[at + 1 :])
         return _check_result(func(*args, **kwargs))
 
     return bounded
@@ -208,25 +267,49 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                 if _size(seq) and isinstance(n, int):
                     _check_count(_size(seq) * n, "a repetition")
         elif operator == "%" and isinstance(left, str):
-            _check_format(left)
+            _check_format(left, right if isinstance(right, tuple | dict) else (right,), "%")
         return _check_result(super().call_binop(context, operator, left, right))
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         _tick()
         name = getattr(__obj, "__name__", "")
-        if isinstance(getattr(__obj, "__self__", None), str):
+        text = getattr(__obj, "__self__", None)
+        if isinstance(text, str):
             if name in _WIDTH_METHODS:
                 for value in (*args, *kwargs.values()):
                     _check_count(value, f"str.{name}'s width")
+                if name == "expandtabs":
+                    size = (args or (kwargs.get("tabsize", 8),))[0]
+                    if isinstance(size, int):
+                        _check_count(len(text) + text.count("\t") * size, "a string of")
             elif name == "replace":
-                _check_replace(__obj.__self__, *args)
+                _check_replace(text, *args)
+            elif name == "join" and args:
+                args = (_sized(args[0]), *args[1:])
+                _check_join(args[0], text)
         return _check_result(super().call(__context, __obj, *args, **kwargs))
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         _tick()
-        if isinstance(obj, str) and attribute in ("format", "format_map"):
-            _check_format(obj)  # the sandbox hands out a wrapper of str.format, checked here
         return super().getattr(obj, attribute)
+
+    def wrap_str_format(self, value: Any) -> Any:
+        """The sandbox's ``str.format``/``format_map``, its result's size checked before it is built."""
+        wrapper = super().wrap_str_format(value)
+        if wrapper is None:
+            return None
+        fmt, is_map = value.__self__, value.__name__ == "format_map"
+
+        @functools.wraps(wrapper)
+        def bounded(*args: Any, **kwargs: Any) -> str:
+            _tick()
+            given = (
+                list(args[0].values()) if is_map and args and isinstance(args[0], dict) else [*args, *kwargs.values()]
+            )
+            _check_format(fmt, given, "{")
+            return _check_result(wrapper(*args, **kwargs))
+
+        return bounded
 
     def getitem(self, obj: Any, argument: Any) -> Any:
         _tick()
@@ -251,13 +334,14 @@ class RenderBudget:
     """Bounds renders on this thread: the cooperative checks always, and ``SIGALRM`` on the main
     thread (where no other alarm is set).
 
-    As a context manager it covers one render, or a batch of them with ``restart()`` before each
-    (the alarm's handler is installed once per batch, not once per row)::
+    As a context manager it covers one render, or a batch of them, each in ``render()`` (the alarm's
+    handler is installed once per batch, not once per row; the alarm is armed only while a render
+    runs, so what the batch does between renders, decoding the next row, say, is never cut short)::
 
         with RenderBudget() as budget:
             for row in rows:
-                budget.restart()
-                render(row)
+                with budget.render():
+                    render(row)
     """
 
     def __init__(self, seconds: float | None = None) -> None:
@@ -272,15 +356,20 @@ class RenderBudget:
         )
         if self._alarm:
             self._previous = signal.signal(signal.SIGALRM, _expire)
-            signal.setitimer(signal.ITIMER_REAL, self.seconds)
         return self
 
-    def restart(self) -> None:
-        """A new render: a full deadline and range budget again."""
+    @contextlib.contextmanager
+    def render(self) -> Iterator[None]:
+        """One render: a full deadline and range budget again, and the alarm armed until it ends."""
         self._budget.deadline = time.monotonic() + self.seconds
         self._budget.iterations = MAX_ITERATIONS
         if self._alarm:
             signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        try:
+            yield
+        finally:
+            if self._alarm:
+                signal.setitimer(signal.ITIMER_REAL, 0)
 
     def __exit__(self, *exc: object) -> None:
         if self._alarm:

@@ -11,7 +11,7 @@ import bisect
 import glob
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -93,14 +93,49 @@ def describe_parquet(path: str) -> tuple[ParquetFileInfo, pa.Schema]:
     return ParquetFileInfo(path, st.st_size, st.st_mtime_ns, md.num_rows, groups), pf.schema_arrow
 
 
+def plain_type(t: pa.DataType, column: str, where: str) -> pa.DataType:
+    """``t`` without Arrow's view types, which the output's sorts and writers cannot take: a
+    ``string_view`` (what recent writers such as Polars produce) is read as ``large_string``, a
+    ``binary_view`` as ``large_binary``, inside lists, structs and maps too.
+
+    Raises:
+        InputError: a list view (pyarrow cannot convert it correctly), naming the column and file.
+    """
+    if pa.types.is_string_view(t):
+        return pa.large_string()
+    if pa.types.is_binary_view(t):
+        return pa.large_binary()
+    if pa.types.is_list_view(t) or pa.types.is_large_list_view(t):
+        raise InputError(
+            f"input: column '{column}' of {where} has the Arrow type {t}, which shardgen cannot read correctly; "
+            "write the file with list types (in pyarrow: cast the column to pa.list_(...))"
+        )
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(plain_type(f.type, column, where)) for f in t])
+    if pa.types.is_map(t):
+        return pa.map_(plain_type(t.key_type, column, where), plain_type(t.item_type, column, where))
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(t.value_field.with_type(plain_type(t.value_type, column, where)), t.list_size)
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        make = pa.list_ if pa.types.is_list(t) else pa.large_list
+        return make(t.value_field.with_type(plain_type(t.value_type, column, where)))
+    return t
+
+
+def plain_schema(schema: pa.Schema, where: str) -> pa.Schema:
+    """``schema`` without view types (``plain_type``)."""
+    return pa.schema([f.with_type(plain_type(f.type, f.name, where)) for f in schema], schema.metadata)
+
+
 class ParquetSource:
-    """Parquet files, in a fixed order, as one table of rows."""
+    """Parquet files, in a fixed order, as one table of rows. Columns of Arrow's view types are read
+    as their plain types (``plain_type``)."""
 
     kind = "parquet"
 
     def __init__(self, files: list[ParquetFileInfo], schema: pa.Schema) -> None:
         self.files = files
-        self.schema = schema
+        self.schema = plain_schema(schema, f"'{files[0].path}'" if files else "the input")
         # global index of each file's first row, and the total at the end
         self._offsets = list(itertools.accumulate((f.rows for f in files), initial=0))
 
@@ -189,13 +224,21 @@ class ParquetSource:
                 offset += n
             pos = first_row
             batches = pf.iter_batches(batch_size=batch_rows, row_groups=groups, columns=columns, use_threads=False)
-            for batch in batches:
+            for batch in map(self._plain, batches):
                 lo, hi = max(seg.start, pos), min(seg.stop, pos + batch.num_rows)
                 if lo < hi:
                     yield batch.slice(lo - pos, hi - lo)
                 pos += batch.num_rows
                 if pos >= seg.stop:
                     break
+
+    def _plain(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """The batch in the source's types (views read as plain types)."""
+        if all(batch.schema.field(i).type == self.schema.field(name).type for i, name in enumerate(batch.schema.names)):
+            return batch
+        types = [self.schema.field(name).type for name in batch.schema.names]
+        return pa.RecordBatch.from_arrays([c.cast(t) for c, t in zip(batch.columns, types, strict=True)],
+                                          names=batch.schema.names)  # fmt: skip
 
     def byte_blocks(self, columns: list[str]) -> Iterator[tuple[int, int]]:
         """``(rows, bytes)`` of each row group in row order: the uncompressed size of the ``columns``
@@ -260,10 +303,13 @@ class HFSource:
         if self._dataset is None:
             self._dataset = self._load(self.kind, self.args)
             if self._dataset._fingerprint != self.fingerprint or len(self._dataset) != self._num_rows:
+                local = self.kind == "disk" or hf_local_files(self.args)
                 raise InputError(
                     f"input.{self.kind}: the dataset '{self.args['path']}' changed after planning; "
-                    "rerun the workflow to plan it again"
-                )
+                    + ("rerun the workflow to plan it again" if local else
+                       "a hub dataset without input.hf.revision follows its branch: pin input.hf.revision, or plan "
+                       "it again with `snakemake --profile ... --forcerun plan_shards`")
+                )  # fmt: skip
         return self._dataset
 
     @property
@@ -336,11 +382,33 @@ def input_signature(input_cfg: InputConfig) -> list[list[Any]]:
             return []
     elif input_cfg.disk and os.path.isdir(input_cfg.disk):
         paths = sorted(str(p) for p in Path(input_cfg.disk).iterdir() if p.is_file())
+    elif input_cfg.hf:
+        paths = hf_local_files(input_cfg.hf)
     out = []
     for path in paths:
         st = os.stat(path)
         out.append([path, st.st_size, st.st_mtime_ns])
     return out
+
+
+def hf_local_files(args: Mapping[str, Any]) -> list[str]:
+    """The local files an ``input.hf`` dataset is built from: its ``data_files`` (a path or pattern,
+    a list, or a dict of split to those; relative to ``path`` when that is a local directory), and
+    the files of a local ``path`` directory. A hub dataset has none: pin ``input.hf.revision`` to
+    plan it again when it changes."""
+    base = Path(args["path"])
+    local_dir = base.is_dir()
+    data_files = args.get("data_files")
+    patterns: list[str] = []
+    for value in data_files.values() if isinstance(data_files, Mapping) else [data_files]:
+        patterns += [value] if isinstance(value, str) else list(value or [])
+    found: set[str] = set()
+    for pattern in patterns:
+        full = str(base / pattern) if local_dir and not os.path.isabs(pattern) else pattern
+        found.update(p for p in glob.glob(full, recursive=True) if os.path.isfile(p))
+    if local_dir and not patterns:
+        found.update(str(p) for p in base.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return sorted(found)
 
 
 def source_from_manifest(entry: dict[str, Any]) -> Source:

@@ -232,6 +232,35 @@ def check_json_schema(schema_: dict[str, Any]) -> None:
         raise ConfigError(f"sampling.structured_outputs.json: not a valid JSON schema: {e.message}") from e
 
 
+# The most values a config may hold once YAML's aliases are expanded: a real config has hundreds (a
+# JSON schema for structured outputs, a chat template: thousands). An "alias bomb" of a few hundred
+# bytes expands to billions, which every walk of it (the secret scan, the digest) would take hours on.
+MAX_CONFIG_VALUES = 100_000
+
+
+def check_size(data: Any, what: str = "the config", limit: int = MAX_CONFIG_VALUES) -> None:
+    """Refuse ``data`` when it holds more than ``limit`` values, counting a value each time an alias
+    repeats it: a walk that stops at the limit, so it costs at most ``limit`` steps.
+
+    Raises:
+        ConfigError: naming ``what``.
+    """
+    stack, seen = [data], 0
+    while stack:
+        value = stack.pop()
+        seen += 1
+        if seen > limit:
+            raise ConfigError(
+                f"{what} holds more than {limit:,} values once its YAML aliases (&name, *name) are expanded; "
+                "a config that large is a mistake or an attack (an 'alias bomb'). Write it out without aliases"
+            )
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
+
+
 def read_mapping(path: str | Path, what: str) -> dict[str, Any]:
     """A YAML (or JSON) file that holds a mapping; errors say which file, and what it was for."""
     try:
@@ -242,4 +271,5 @@ def read_mapping(path: str | Path, what: str) -> dict[str, Any]:
         raise ConfigError(f"{what} '{path}' is not valid YAML or JSON: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{what} '{path}' must hold a mapping of keys to values")
+    check_size(data, f"{what} '{path}'")
     return data

@@ -481,7 +481,10 @@ def test_a_run_directory_written_by_the_real_writers_reads_back_alike_in_status_
     assert [s.state for s in st.shards] == ["done", "done", "pending"], format_status(st)
     assert st.shards[2].done == 2 and st.rows_done == 18 and st.errors() == {"prompt_too_long": 1}
 
+    leftover = run_dir.shards / ".00002.parquet.0a1b2c3d.tmp"  # of a commit killed mid-write
+    leftover.write_bytes(b"PAR1 half a file")
     (generated,) = run_shards(config, run_dir.manifest, ["00000", "00001", "00002"], engine=engine)
+    assert not leftover.exists(), "the shard's next commit removes what a killed one left"
     assert generated["shard"] == "00002" and generated["rows_resumed"] == 2
     stopped, finished = generated["attempts"]
     assert (stopped["outcome"], stopped["signal"], stopped["rows_saved"]) == ("interrupted", "SIGTERM", 2)

@@ -254,3 +254,27 @@ def test_a_mistake_stops_the_slurm_run_before_any_job_is_submitted(tmp_path, mod
     assert _slurm_jobs() - before == set(), "a job was submitted to Slurm"
     assert "submitted with SLURM jobid" not in out
     assert not (tmp_path / "results" / "shards").exists()
+
+
+@pytest.mark.slurm
+def test_a_result_column_added_by_a_config_change_after_planning_stops_the_run_before_any_job(
+    tmp_path, model_dir, slurm_cluster
+):
+    """Gold labels in 'label'; the run is planned and checked for plain generation, then sampling asks
+    for a choice, which adds a 'label' column. The plan is not made again (sampling does not change
+    it), but the preflight checks the columns for the new config and stops the run before any job:
+    the gold labels would have been overwritten by predictions."""
+    rows = make_rows(12)
+    for r in rows:
+        r["label"] = "gold"
+    data = write_parquet(tmp_path / "data" / "in.parquet", rows)
+    config = workflow_config({"parquet": [str(data)]})
+    run_workflow(tmp_path, config, "slurm", "--until", "preflight")  # planned and checked, nothing submitted
+    manifest = (tmp_path / "results" / "plan" / "manifest.json").stat().st_mtime_ns
+    config["sampling"] = {**config["sampling"], "structured_outputs": {"choice": ["yes", "no"]}}
+    before = _slurm_jobs()
+    r = run_workflow(tmp_path, config, "slurm", check=False)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "has the column(s) ['label'], which this config's output also has" in out, out[-3000:]
+    assert (tmp_path / "results" / "plan" / "manifest.json").stat().st_mtime_ns == manifest, "not planned again"
+    assert _slurm_jobs() - before == set() and "submitted with SLURM jobid" not in out

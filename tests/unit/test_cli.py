@@ -53,3 +53,20 @@ def test_the_hugging_face_token_is_gone_before_a_generate_job_runs_model_code(pa
     monkeypatch.setattr(shardgen.generate, "run_shard", run_shard)
     assert main(generate_args(tmp_path, parquet_files)) == 3, "a stopped job exits non-zero (3)"
     assert seen == {"HF_TOKEN": None, "HUGGING_FACE_HUB_TOKEN": None}
+
+
+def test_the_token_file_of_hf_auth_login_is_hidden_from_the_commands_that_run_model_code(tmp_path):
+    """``hf auth login`` writes $HF_HOME/token, which huggingface_hub reads when no variable is set:
+    a job's model code (and vLLM's processes, which inherit the environment) must not find it."""
+    import subprocess
+    import sys
+
+    (tmp_path / "token").write_text("hf_ShardgenTestSecret0123456789abcdef\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")}
+    env["HF_HOME"] = str(tmp_path)
+    probe = "import huggingface_hub; print(huggingface_hub.get_token())"
+    before = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert before.stdout.strip().startswith("hf_Shardgen"), "the probe finds the file when nothing hides it"
+    hidden = "from shardgen.cli import hide_tokens; hide_tokens(); " + probe
+    after = subprocess.run([sys.executable, "-c", hidden], env=env, capture_output=True, text=True, check=True)
+    assert after.stdout.strip() == "None"

@@ -467,3 +467,34 @@ def test_the_cpus_a_job_asks_for_follow_its_gpus_unless_set():
     assert run(tensor_parallel_size=4).cpus_per_job == 12
     assert run(tensor_parallel_size=4, pipeline_parallel_size=2).cpus_per_job == 20
     assert cfg.RunConfig.from_dict(minimal() | {"resources": {"cpus_per_task": 3}}).cpus_per_job == 3
+
+
+ALIAS_BOMB = """\
+a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+prompt: {template: "{{ topic }}", stop: *h}
+"""
+
+
+def test_a_yaml_alias_bomb_is_refused_before_any_walk_of_it(tmp_path):
+    """A few hundred bytes that expand to 387 million values: refused at once, by the file's reader
+    and by validate (Snakemake loads the --configfile itself and hands shardgen the shared structure),
+    where the secret scan and the digest would have walked it for hours."""
+    import time
+
+    import yaml
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(ALIAS_BOMB)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"bomb.yaml' holds more than 100,000 values once its YAML aliases"):
+        cfg.load(path)
+    with pytest.raises(ConfigError, match=r"the config holds more than 100,000 values"):
+        cfg.validate(minimal() | yaml.safe_load(ALIAS_BOMB))
+    assert time.monotonic() - started < 5

@@ -97,6 +97,15 @@ def test_conda_env_lists_every_runtime_dependency_of_pyproject_with_its_lower_bo
         assert names[req.name].specifier == req.specifier, f"{name}: {names[req.name]} but pyproject has {req}"
 
 
+def test_every_install_path_needs_a_jinja2_without_the_known_sandbox_escapes():
+    """Jinja2 3.1.5 and 3.1.6 fixed sandbox escapes (through |attr and str.format): the templates
+    are the users' input and run in its sandbox."""
+    floor = Requirement(next(d for d in pyproject()["project"]["dependencies"] if d.startswith("jinja2")))
+    assert "3.1.5" not in floor.specifier and "3.1.6" in floor.specifier
+    for name in ("generate.yaml", "light.yaml"):  # the container installs shardgen with pip: pyproject's floor
+        assert pip_names(env(name))["jinja2"].specifier == floor.specifier, name
+
+
 def test_conda_env_files_are_the_ones_the_rules_name():
     named = set()
     for smk in (ROOT / "workflow" / "rules").glob("*.smk"):

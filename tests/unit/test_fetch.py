@@ -282,3 +282,26 @@ def test_main_fetch_replaces_the_record_atomically(hf_cache, tmp_path, network_a
     main_fetch(run_config(cfg(hf_cache)), out)
     assert json.loads(out.read_text())["source"] == "cache"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".model.json")] == []
+
+
+def test_a_models_digest_follows_its_content_without_reading_its_weights_whole(tmp_path):
+    """The provenance names a model by its id, revision and this digest: a changed config or changed
+    weights change it, a copy of the directory elsewhere does not."""
+    import shutil
+
+    from shardgen.fetch import DIGEST_WHOLE_BYTES, content_digest
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    weights = bytearray(3 * DIGEST_WHOLE_BYTES)
+    (model / "model.safetensors").write_bytes(weights)
+    digest = content_digest(model)
+    shutil.copytree(model, tmp_path / "copy")
+    assert content_digest(tmp_path / "copy") == digest and digest.startswith("sha256:")
+    (model / "config.json").write_text('{"hidden_size": 65}')
+    assert content_digest(model) != digest
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    weights[-1] = 1  # the end of the last tensor
+    (model / "model.safetensors").write_bytes(weights)
+    assert content_digest(model) != digest

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen.errors import MergeError
+from shardgen.errors import MergeError, ShardgenError
 from shardgen.merge import merge as merge_files
 from shardgen.outputs import PROVENANCE_KEY
 from shardgen.results import ResultSpec
@@ -240,3 +240,58 @@ def test_a_shard_replaced_after_it_was_checked_stops_the_merge_before_anything_i
     with pytest.raises(MergeError, match="shard 00001: its file .* was replaced while the merge ran"):
         merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "out.parquet", tmp_path / "stats.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "shards"], "no output, no stats"
+
+
+def test_a_shard_whose_result_column_doubled_an_input_column_is_refused(tmp_path):
+    """A shard written by a job that did not check its columns (an older shardgen): two 'generation'
+    columns, one the input's. The merge names it instead of writing a file no reader can load."""
+    complete(tmp_path)
+    path = tmp_path / "shards" / "00001.parquet"
+    table = pq.read_table(path)
+    doubled = table.append_column("generation", pa.array(["input's"] * table.num_rows))
+    pq.write_table(doubled.replace_schema_metadata(table.schema.metadata), path)
+    with pytest.raises(MergeError, match=r"shard 00001: the file .*00001.parquet has more than one column named"):
+        merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "out.parquet", tmp_path / "stats.json")
+
+
+def test_the_provenance_names_no_local_path_unless_asked_to(tmp_path):
+    """Outputs get shared and pushed: the model's snapshot directory under a home directory, a
+    download_dir, an adapter's path are named by their last component, unless output.provenance_paths."""
+    from shardgen.merge import provenance
+    from shardgen.stats import RunTotals
+
+    first = {
+        "engine": {"vllm_version": "0.32.0", "args": {"model": "/home/ada/.cache/hf/snapshots/abc123",
+                                                        "download_dir": "/scratch/ada/hf", "max_model_len": 1024}},
+        "model_source": {"commit": "abc123"},
+        "lora_adapters": {"terse": {"source": "local", "path": "/home/ada/adapters/terse"}},
+    }  # fmt: skip
+    prov = provenance(config(), first, RunTotals(), "fp")
+    assert "/home/ada" not in json.dumps(prov) and "/scratch" not in json.dumps(prov)
+    assert prov["engine_args"] == {"model": "<local>/abc123", "download_dir": "<local>/hf", "max_model_len": 1024}
+    assert prov["lora_adapters"]["terse"]["path"] == "<local>/terse" and prov["model_revision"] == "abc123"
+    assert provenance(config(provenance_paths=True), first, RunTotals(), "fp")["engine_args"] == first["engine"]["args"]
+
+
+def test_a_killed_merge_leaves_nothing_the_next_one_keeps_and_jsonl_rows_and_provenance_cannot_disagree(tmp_path):
+    """A merge killed mid-write leaves its temporary file (and, for a datasets output, its working
+    directory): the next merge removes them. JSON Lines rows and their provenance are two files; one
+    killed between the two renames leaves a pair whose disagreement is named, not trusted."""
+    from shardgen import formats
+
+    complete(tmp_path)
+    plan = write_plan(tmp_path)
+    leftovers = [tmp_path / ".out.jsonl.0a1b2c3d.tmp", tmp_path / ".out.jsonl.provenance.json.0a1b2c3d.tmp"]
+    for p in leftovers:
+        p.write_text("half a merge")
+    (tmp_path / ".out.jsonl.k3j_9abc").mkdir()  # a datasets output's working directory
+    (tmp_path / ".out.jsonl.notes").write_text("someone else's")
+    merge(plan, tmp_path / "shards", tmp_path / "out.jsonl", tmp_path / "s.json", format="jsonl")
+    assert not any(p.exists() for p in leftovers) and not (tmp_path / ".out.jsonl.k3j_9abc").exists()
+    assert (tmp_path / ".out.jsonl.notes").exists(), "only what a writer of the output leaves is removed"
+    assert formats.provenance(tmp_path / "out.jsonl")["output_sha256"]
+    # killed between the renames: the rows of the run before, the provenance of this one
+    rows = (tmp_path / "out.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "out.jsonl").write_text("".join(rows[:-1]))
+    with pytest.raises(ShardgenError, match=r"out.jsonl.provenance.json' describes other rows than"):
+        formats.provenance(tmp_path / "out.jsonl")

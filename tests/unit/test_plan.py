@@ -103,8 +103,41 @@ def test_a_template_column_the_input_lacks_is_named(parquet_files):
 
 def test_an_input_column_that_clashes_with_an_output_column_is_refused(tmp_path):
     f = write_parquet(tmp_path / "a.parquet", [{"topic": "x", "generation": "old"}])
-    with pytest.raises(InputError, match=r"\['generation'\] clash"):
+    with pytest.raises(InputError, match=r"a.parquet'\) has the column\(s\) \['generation'\], which this config's out"):
         build_manifest(base_config({"parquet": [str(f)]}))
+
+
+def test_a_result_column_that_a_later_config_adds_is_refused_for_that_config_without_planning_again(tmp_path):
+    """Gold labels in 'label', planned for plain generation; then sampling asks for a choice (which adds
+    'label'), or for n > 1 rows per input (which adds 'sample_index'). The plan is not made again: the
+    preflight, every job and the merge check the columns for the config they run with."""
+    from shardgen.plan import check_columns
+    from tests.conftest import changed
+
+    f = write_parquet(tmp_path / "a.parquet", [{"topic": "x", "label": "gold", "sample_index": 0}])
+    config = base_config({"parquet": [str(f)]})
+    build_manifest(config)  # planned for plain generation
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(f)
+    check_columns(config, schema, "a.parquet")
+    choice = changed(config, "sampling", structured_outputs={"choice": ["yes", "no"]})
+    with pytest.raises(InputError, match=r"a.parquet has the column\(s\) \['label'\]"):
+        check_columns(choice, schema, "a.parquet")
+    samples = changed(config, "sampling", n=2)
+    with pytest.raises(InputError, match=r"\['sample_index'\]"):
+        check_columns(samples, schema, "a.parquet")
+
+
+def test_duplicate_column_names_are_refused_naming_the_column(tmp_path):
+    """The template would see one of them and the output would write one value into both."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"]), pa.array(["x"])], names=["text", "text", "topic"])
+    pq.write_table(table, tmp_path / "dup.parquet")
+    with pytest.raises(InputError, match=r"dup.parquet'\) has more than one column named 'text'"):
+        build_manifest(base_config({"parquet": [str(tmp_path / "dup.parquet")]}))
 
 
 # -- shards.balance: tokens ---------------------------------------------------------------------------

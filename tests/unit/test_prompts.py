@@ -208,6 +208,16 @@ HOSTILE_TEMPLATES = {
     "doubling_by_assignments": "{% set s = text %}" + "{% set s = s ~ s %}" * 40 + "{{ s|length }}",
     "list_repetition": "{{ (range(10)|list) * 10**8 }}",
     "slice_filter": "{{ [1]|slice(10**8)|list|length }}",
+    # a result's size that depends on its arguments, checked before it is built (issue 25)
+    "format_width_argument": "{{ '{0:>{1}}'.format(1, 10**8) }}",
+    "percent_star_width": "{{ '%*d' % (10**8, 1) }}",
+    "format_filter_star_width": "{{ '%*d'|format(10**8, 1) }}",
+    "format_map_width_argument": "{{ '{a:>{w}}'.format_map({'a': 1, 'w': 10**8}) }}",
+    "many_fields": "{{ ('{0}' * 1000).format(text * 1000000) }}",
+    "expandtabs": "{{ ('\t' * 1000).expandtabs(10**5) }}",
+    "indent": "{{ ('x\n' * 1000)|indent(10**6) }}",
+    "join_filter": "{{ ([text * 1000000] * 100)|join }}",
+    "join_method": "{{ ''.join([text * 1000000] * 100) }}",
 }
 
 
@@ -258,3 +268,22 @@ def test_a_rendered_prompt_longer_than_the_context_can_hold_is_a_row_error_befor
     messages.max_chars = 50
     with pytest.raises(RowError, match="prompt_too_long"):
         messages.render({"m": [{"role": "user", "content": "z" * 60}]})
+
+
+def test_the_render_deadline_covers_the_render_only_not_the_batch_around_it(monkeypatch):
+    """A batch decodes each row's bytes before it renders it. The alarm of the row before must not
+    fire there: a row that rendered in just under the deadline would end the attempt."""
+    import time
+
+    from shardgen import prompts, sandbox
+
+    monkeypatch.setattr(sandbox, "RENDER_SECONDS", 0.2)
+    real_decode = prompts._decode
+
+    def slow_decode(column, value):
+        time.sleep(0.4)  # longer than the deadline, outside any render
+        return real_decode(column, value)
+
+    monkeypatch.setattr(prompts, "_decode", slow_decode)
+    out = PromptRenderer("Q: {{ q }}", chat=False).render_batch([{"q": "one"}, {"q": b"two"}, {"q": b"three"}])
+    assert out == ["Q: one", "Q: two", "Q: three"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pyarrow as pa
 import pytest
 
 from shardgen.errors import InputError
@@ -72,7 +73,7 @@ def test_segments_agree_with_a_walk_over_every_file_for_every_range_including_em
     from shardgen.sources import ParquetFileInfo, ParquetSource
 
     sizes = [3, 0, 5, 1, 0, 0, 4]
-    src = ParquetSource([ParquetFileInfo(f"f{i}", 0, 0, n) for i, n in enumerate(sizes)], None)
+    src = ParquetSource([ParquetFileInfo(f"f{i}", 0, 0, n) for i, n in enumerate(sizes)], pa.schema([]))
 
     def walk(start, stop):
         segs, offset = [], 0
@@ -87,3 +88,75 @@ def test_segments_agree_with_a_walk_over_every_file_for_every_range_including_em
     for start in range(total + 1):
         for stop in range(start, total + 2):
             assert [(s.file, s.start, s.stop) for s in src.segments(start, stop)] == walk(start, stop)
+
+
+def test_arrow_view_types_are_read_as_plain_types_and_a_shard_of_them_commits(tmp_path):
+    """string_view and binary_view columns (what recent writers produce) would fail the sort at
+    commit, after all the GPU work: they are read as large_string and large_binary, nested ones too.
+    A list view, which pyarrow cannot convert correctly, is refused when planned, naming the column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shardgen.outputs import ShardCheckpoint
+    from shardgen.results import result_spec
+
+    rows = 10
+    table = pa.table(
+        {
+            "topic": pa.array([f"t{i}" for i in range(rows)], pa.string_view()),
+            "raw": pa.array([b"x"] * rows, pa.binary_view()),
+            "meta": pa.array([{"tag": "a"}] * rows, pa.struct([("tag", pa.string_view())])),
+        }
+    )
+    pq.write_table(table, tmp_path / "views.parquet")
+    config = base_config({"parquet": [str(tmp_path / "views.parquet")]}, shards={"rows_per_shard": 10})
+    source = Manifest(build_manifest(config)).source()
+    assert [str(f.type) for f in source.schema] == ["large_string", "large_binary", "struct<tag: large_string>"]
+    (shard,) = Manifest(build_manifest(config)).shards
+    batches = list(source.read(shard.segments))
+    assert all(b.schema == source.schema for b in batches)
+    schema = result_spec(config).schema(source.schema, "fp", "cfg", shard.id)
+    ckpt = ShardCheckpoint(tmp_path / "ckpt", 0, rows, schema)
+    ckpt.resume()
+    done = [
+        {**row, "row_index": i, "generation": "g", "finish_reason": "stop", "prompt_tokens": 1,
+         "generated_tokens": 1, "error": None}
+        for i, row in zip(range(rows - 1, -1, -1), reversed(pa.Table.from_batches(batches).to_pylist()), strict=True)
+    ]  # fmt: skip
+    ckpt.flush(done)
+    out = ckpt.commit(tmp_path / "shard.parquet", lambda table: None)
+    assert out.column("topic").to_pylist() == [f"t{i}" for i in range(rows)]
+
+    pq.write_table(pa.table({"topic": pa.array([[1]], pa.list_view(pa.int64()))}), tmp_path / "lv.parquet")
+    with pytest.raises(InputError, match=r"column 'topic' of '.*lv.parquet' has the Arrow type list_view"):
+        build_manifest(base_config({"parquet": [str(tmp_path / "lv.parquet")]}))
+
+
+def test_a_local_data_file_of_an_hf_input_decides_replanning_as_a_parquet_file_does(tmp_path):
+    """input.hf with data_files: a file edited after planning changes the signature that decides
+    whether the plan is made again (jobs compare the dataset's fingerprint, which follows the files),
+    whether data_files is a path, a pattern, a list or a dict of splits, and relative to a local path."""
+    import time
+
+    from shardgen.config import InputConfig
+    from shardgen.sources import input_signature
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text('{"topic": "x"}\n' * 8)
+    (data / "b.jsonl").write_text('{"topic": "y"}\n')
+    forms = [
+        {"path": "json", "data_files": str(data / "a.jsonl")},
+        {"path": "json", "data_files": str(data / "*.jsonl")},
+        {"path": "json", "data_files": [str(data / "a.jsonl"), str(data / "b.jsonl")]},
+        {"path": "json", "data_files": {"train": [str(data / "a.jsonl")]}},
+        {"path": str(data), "data_files": "a.jsonl"},
+        {"path": str(data)},
+    ]
+    before = [input_signature(InputConfig(hf=args)) for args in forms]
+    assert all(any(p.endswith("a.jsonl") for p, *_ in sig) for sig in before), before
+    time.sleep(0.01)
+    (data / "a.jsonl").write_text('{"topic": "x"}\n' * 10)  # grew from 8 rows to 10
+    after = [input_signature(InputConfig(hf=args)) for args in forms]
+    assert all(b != a for b, a in zip(before, after, strict=True))
+    assert input_signature(InputConfig(hf={"path": "org/some-hub-dataset"})) == []
