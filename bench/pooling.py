@@ -34,9 +34,10 @@ sys.path.insert(0, str(ROOT / "src"))
 from common import machine, write_results  # noqa: E402
 
 from shardgen.config import RunConfig  # noqa: E402
-from shardgen.engine import Engine, EngineSettings, clear_thread_env  # noqa: E402
+from shardgen.engine import Engine, EngineSettings  # noqa: E402
 from shardgen.generate import run_shard  # noqa: E402
 from shardgen.installed import vllm_version  # noqa: E402
+from shardgen.jobenv import clear_thread_env  # noqa: E402
 from shardgen.plan import write_manifest  # noqa: E402
 from shardgen.prompts import PromptRenderer  # noqa: E402
 

@@ -90,7 +90,8 @@ def engine(model_dir: Path):
     Chunked prefill is off, as shardgen runs it for seeded sampling on the
     CPU build (``EngineSettings.for_job``), so the seeded tests can share it.
     """
-    from shardgen.engine import Engine, EngineSettings, clear_thread_env
+    from shardgen.engine import Engine, EngineSettings
+    from shardgen.jobenv import clear_thread_env
 
     clear_thread_env()  # before vLLM is imported
     from vllm import LLM

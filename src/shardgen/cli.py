@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from shardgen import config as cfg
@@ -83,20 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# The Hugging Face token reaches every Slurm job (the executor plugin exports the whole environment),
-# but only fetch-model and push may use it: the commands that run model code drop it first.
-TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
-_NO_TOKEN_COMMANDS = ("generate", "preflight", "engine-worker")
-
-
-def hide_tokens() -> None:
-    """Drop the Hugging Face token from this process and the processes it starts: the variables, and
-    the token file ``hf auth login`` writes (``$HF_HOME/token``, which ``huggingface_hub`` reads when
-    no variable is set), by pointing ``HF_TOKEN_PATH`` at an empty file. Before ``huggingface_hub``
-    is imported, which reads the path once."""
-    for name in TOKEN_ENV:
-        os.environ.pop(name, None)
-    os.environ["HF_TOKEN_PATH"] = os.devnull
+# The commands that run model code: their environment is jobenv's (no token, no inherited thread
+# counts, offline), set before anything of theirs is imported.
+_MODEL_CODE_COMMANDS = ("generate", "preflight", "engine-worker")
 
 
 def _load(path: str) -> cfg.RunConfig:
@@ -112,8 +100,10 @@ def _load(path: str) -> cfg.RunConfig:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command in _NO_TOKEN_COMMANDS:
-        hide_tokens()
+    if args.command in _MODEL_CODE_COMMANDS:
+        from shardgen import jobenv
+
+        jobenv.enter(args.command)
     try:
         if args.command == "plan":
             from shardgen.plan import write_manifest
@@ -157,10 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             out_dir = args.dir or cfg.RunConfig.load(args.configfile or "config/config.yaml").output.dir
             return main_status(out_dir, args.window, args.all)
         if args.command == "engine-worker":
-            from shardgen.engine import clear_thread_env
             from shardgen.multinode import main_worker
 
-            clear_thread_env()  # as the head does before vLLM is imported
             return main_worker()
         if args.command == "engine-version":
             print(cfg.engine_version())

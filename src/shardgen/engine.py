@@ -14,13 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardgen import memory
+from shardgen import jobenv, memory
 from shardgen.errors import RowError, ShardgenError
 from shardgen.installed import vllm_build
 
@@ -30,29 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Snakemake exports these as the rule's `threads` into every job. vLLM sizes
-# and pins its own worker threads (on the CPU build it binds all cores but
-# one); an inherited OMP_NUM_THREADS larger than the cores it binds
-# oversubscribes them, about 9x slower measured on the CPU build. The engine
-# decides its threads, so the job drops them before vLLM is imported.
-THREAD_ENV_VARS = (
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "GOTO_NUM_THREADS",
-    "VECLIB_MAXIMUM_THREADS",
-    "NUMEXPR_NUM_THREADS",
-)
-
 # Keys of `model` in the config that are ours, not vllm.LLM arguments.
 _NOT_ENGINE_ARGS = {"extra", "allow_unsafe_engine_args", "batch_invariant"}
-
-# How vLLM starts its engine core and workers in a job. On CUDA vLLM forks
-# them unless CUDA is initialised already (vllm/utils/system_utils.py,
-# _maybe_force_spawn), and a fork would copy this process's pyarrow threads
-# and shardgen's signal handlers; the CPU build always spawns
-# (vllm/platforms/cpu.py). Set for the generate and preflight jobs.
-PROCESS_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 
 class WrongGpus(ShardgenError):
@@ -80,11 +58,6 @@ def fp8_kv_cache_supported(build: str) -> bool:
     import torch
 
     return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
-
-
-def clear_thread_env() -> dict[str, str]:
-    """Remove the inherited thread-count variables; return what was removed."""
-    return {k: os.environ.pop(k) for k in THREAD_ENV_VARS if k in os.environ}
 
 
 def engine_kwargs(model_cfg: Any) -> dict[str, Any]:
@@ -209,7 +182,7 @@ class EngineSettings:
                 "(v1/worker/cpu_model_runner.py, warming_up_model; gpu_model_runner.py, _dummy_run), and that "
                 "stage fails its first step (assert self.intermediate_tensors is not None)"
             )
-        environment = {**PROCESS_ENV, "VLLM_CACHE_ROOT": jobinfo.cache_root(jobinfo.host())}
+        environment = {**jobenv.PROCESS_ENV, "VLLM_CACHE_ROOT": jobinfo.cache_root(jobinfo.host())}
         if model.get("batch_invariant"):
             # batch-invariant kernels: a row's text does not depend on the rows batched with it
             # (vllm/model_executor/determinism/batch_invariant.py; GPU workers only)

@@ -13,8 +13,7 @@ same model at once would be slow or rate-limited. A local rule runs
   message.
 
 The record (``results/plan/model.json``) names the directory each job gives
-the engine (``engine_model_args``) and the environment it runs in
-(``job_environment``: offline, same cache).
+the engine (``engine_model_args``); the jobs run offline (``jobenv``).
 """
 
 from __future__ import annotations
@@ -297,18 +296,6 @@ def engine_model_args(resolved: dict[str, Any]) -> dict[str, Any]:
 def model_path(resolved: dict[str, Any]) -> str:
     """The local directory the engine is given as its model."""
     return resolved["path"]
-
-
-def job_environment(resolved: dict[str, Any]) -> dict[str, str]:
-    """The environment a generate job sets before vLLM (or transformers) is imported: offline, and
-    without vLLM's usage reports (its rank-0 worker otherwise posts usage data to stats.vllm.ai:
-    vllm/usage/usage_lib.py).
-
-    The engine is given the local snapshot directory, so no cache path is
-    needed; a hub dataset (``input.hf``) was cached when the run was planned.
-    """
-    del resolved
-    return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
 def load_record(path: str | Path) -> dict[str, Any]:

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen import heads, jobinfo, memory, multinode, records
+from shardgen import heads, jobenv, jobinfo, memory, multinode, records
 from shardgen.config import RunConfig, content_config, digest, warnings
-from shardgen.engine import Engine, EngineSettings, clear_thread_env, engine_kwargs
+from shardgen.engine import Engine, EngineSettings, engine_kwargs
 from shardgen.errors import ShardgenError
 from shardgen.feed import ErrorBudget, RowInputs, ShardFeed, ShardWork
 from shardgen.installed import vllm_version
@@ -138,10 +138,9 @@ class ShardJob:
         """
         from shardgen import fetch
 
-        removed_env = clear_thread_env()
+        removed_env = jobenv.enter()  # done by the command already; in process (tests, benchmarks) here
         if model_record is None:
             model_record = fetch.resolve_model(config.model, allow_download=False, adapters=config.lora.adapters)
-        os.environ.update(fetch.job_environment(model_record))
         manifest = Manifest.load(manifest_path)
         shard = manifest.shard(shard_id)
         source = manifest.source()
@@ -193,7 +192,7 @@ class ShardJob:
 
     def memory_failures(self) -> list[dict[str, Any]]:
         """Earlier attempts that ran out of memory, oldest first: kind, stage, error, settings used."""
-        return [{"kind": a.kind, "stage": a.stage, "error": a.error, "settings": a.settings}
+        return [{"kind": a.kind, "stage": a.stage, "error": a.error, "settings": a.settings, "layout": a.layout}
                 for a in self.attempts if a.outcome == records.OUT_OF_MEMORY]  # fmt: skip
 
     def work(self) -> ShardWork:
@@ -398,8 +397,13 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
                     settings.memory_overrides)  # fmt: skip
     if not job.remaining:
         return run
+    layout = memory.layout(settings.model, settings.gpus)
+    if failed := memory.same_layout(failures, layout):
+        raise OutOfMemory(f"shard {job.shard.id}: the model's weights did not fit in the last attempt, on the same "
+                          f"GPUs with the same model and parallelism ({layout}); not loaded again. "
+                          f"{memory.advice('weights_too_large')}", failed)  # fmt: skip
 
-    os.environ.update(settings.environment)  # before vLLM starts its processes, which inherit it
+    jobenv.apply(settings.environment)  # before vLLM starts its processes, which inherit it
     t0 = time.time()
     try:
         with stop.raising(job.shard.id):
@@ -411,7 +415,8 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
             raise Interrupted(stop.signal, job.shard.id) from e
         if engine.workers_lost:
             raise WorkersLost(f"shard {job.shard.id}: {engine.workers_lost}") from e
-        _raise_if_memory(e, "engine start", memory.used_settings(settings.model, settings.memory_defaults), log_start)
+        used = memory.used_settings(settings.model, settings.memory_defaults)
+        _raise_if_memory(e, "engine start", used, log_start, layout)
         raise
     run.engine_seconds = time.time() - t0  # about 0 when the job's engine was running already
 
@@ -431,7 +436,7 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
             raise Interrupted(stop.signal, job.shard.id) from e
         if engine.workers_lost:
             raise WorkersLost(f"shard {job.shard.id}: {engine.workers_lost}") from e
-        _raise_if_memory(e, "generation", engine.memory_settings(), log_start)
+        _raise_if_memory(e, "generation", engine.memory_settings(), log_start, layout)
         raise
     finally:
         run.generation_seconds = time.time() - t1
@@ -661,15 +666,21 @@ class _StopFlag:
         return self.signal is not None
 
 
-def _raise_if_memory(error: Exception, stage: str, used: dict[str, Any], log_start: int) -> None:
+def _raise_if_memory(
+    error: Exception, stage: str, used: dict[str, Any], log_start: int, layout: dict[str, Any]
+) -> None:
     """When ``error`` was memory running out, raise ``OutOfMemory``: the attempt's record keeps the
-    kind of failure and the settings it used, from which the next attempt takes one step."""
+    kind of failure, the settings it used, from which the next attempt takes one step, and what
+    it loaded on (``memory.layout``)."""
     # the engine core runs in a child process, which writes the real cause to the job's log
     text = "".join(traceback.format_exception(error)) + jobinfo.own_log_tail(since=log_start)
     kind = memory.failure_kind(text)
     if kind is None:
         return
-    record = {"kind": kind, "stage": stage, "error": f"{type(error).__name__}: {error}"[:500], "settings": used}
+    record = {"kind": kind, "stage": stage, "error": f"{type(error).__name__}: {error}"[:500], "settings": used,
+              "layout": layout}  # fmt: skip
+    if kind == "weights_too_large":
+        raise OutOfMemory(f"the model's weights did not fit during {stage}: {memory.advice(kind)}", record) from error
     raise OutOfMemory(
         f"{kind.replace('_', ' ')} during {stage} with {used}; the next attempt uses "
         f"{memory.next_settings(kind, used)}. If it keeps failing: {memory.advice(kind)}",

@@ -167,22 +167,23 @@ def visible_gpus(
     Unset means every GPU; empty means none. Like CUDA, the list ends at the
     first entry that names no GPU.
 
-    Where the job's devices are constrained (Slurm's ``ConstrainDevices``),
-    nvidia-smi may list only the job's GPUs under their node-wide indexes
-    while Slurm numbers them from 0: when an index is not listed but there are
-    exactly as many listed GPUs as entries, the listed GPUs are the job's.
+    An index counts among the GPUs this process can reach, as CUDA numbers
+    them, not by nvidia-smi's index: where the job's devices are constrained
+    (Slurm's ``ConstrainDevices``), nvidia-smi lists only the job's GPUs,
+    under their node-wide indexes, and Slurm numbers them from 0; an index
+    past the last of them names no GPU, and CUDA sees none there (checked on
+    an H200 node: ``CUDA_VISIBLE_DEVICES=1`` with one GPU listed).
     """
     if cuda_visible_devices is None:
         return list(listed)
     entries = [e.strip() for e in cuda_visible_devices.split(",")] if cuda_visible_devices.strip() else []
     by_index = {g["index"]: g for g in listed if g.get("index") is not None}
+    reachable = sorted(by_index.values(), key=lambda g: g["index"])
     out: list[dict[str, Any]] = []
     for entry in entries:
         gpu: dict[str, Any] | None = None
         if re.fullmatch(r"\d+", entry):
-            gpu = by_index.get(int(entry))
-            if gpu is None and len(listed) == len(entries) and all(e.isdigit() for e in entries):
-                return list(listed)
+            gpu = reachable[int(entry)] if int(entry) < len(reachable) else None
         elif entry.startswith("MIG-"):
             parent = by_index.get((mig_parents or {}).get(entry, -1))
             if parent is not None:
@@ -347,14 +348,24 @@ def check_gpus(
             (or chosen) ``model.quantization``, else the checkpoint's own.
         kv_cache_dtype: the KV cache dtype the engine will use (checked by
             ``gpu_warnings``; FP8 KV caches run everywhere).
-        build: ``shardgen.installed.vllm_build()``. On the CPU build no GPU
-            check applies (tests run it with Slurm's CUDA_VISIBLE_DEVICES).
+        build: ``shardgen.installed.vllm_build()``. On the CPU build the one
+            check is that the job sees no NVIDIA GPU: the CPU build on a GPU node
+            (set up on a login node without one) would hold the GPUs and run on
+            the CPU. (The tests run it with Slurm's fake GPUs, which no
+            nvidia-smi lists.)
         from_checkpoint: the format is the checkpoint's own, not
             ``model.quantization``; the messages then name ``model.model``.
     """
     del kv_cache_dtype  # no KV cache dtype is refused by a GPU; see gpu_warnings
     if build == "cpu":
-        return []
+        if not gpus:
+            return []
+        return [
+            f"vLLM's CPU build is installed, but this job sees NVIDIA GPUs ({_gpu_list(gpus)}): it would hold them "
+            "and run on the CPU, far slower. The environment was probably set up on a machine without GPUs (a login "
+            "node): make it again with the CUDA build (SHARDGEN_VLLM=gpu make setup, or the conda or container "
+            "route)"
+        ]
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
     seen = f"CUDA_VISIBLE_DEVICES={cvd!r}" if cvd is not None else "CUDA_VISIBLE_DEVICES unset"
     if not gpus:

@@ -43,8 +43,26 @@ def vllm_version() -> str | None:
     return found[1] if found else None
 
 
+def installed_distributions() -> list[str]:
+    """The vLLM distributions installed here (both builds share the ``vllm`` module)."""
+    found = []
+    for dist in DISTRIBUTIONS:
+        try:
+            metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        found.append(dist)
+    return found
+
+
 def version_problem() -> str | None:
     """Why the installed vLLM cannot be used, naming the installed and the supported versions; None if it can."""
+    if len(both := installed_distributions()) > 1:
+        return (
+            f"both builds of vLLM are installed in this environment ({' and '.join(both)}); they share one module, "
+            "so which one runs is an accident of the install order. Make the environment again with one of them "
+            "(make setup with SHARDGEN_VLLM=gpu or cpu)"
+        )
     version = vllm_version()
     if version is None:
         return f"vLLM is not installed in this environment; install vLLM {SUPPORTED_VLLM} (make setup)"

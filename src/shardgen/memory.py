@@ -17,15 +17,26 @@ vLLM 0.32 fails for memory in three ways, and each has its own cure
   memory on device ... is less than desired GPU memory utilization"; on the
   CPU build "Available memory on node ... less than desired CPU memory
   utilization"). Cured by asking for less: ``gpu_memory_utilization`` down by 0.05.
-- ``out_of_memory``: CUDA ran out while loading, profiling, warming up the
-  sampler or generating. Cured by a smaller batch: ``max_num_seqs`` halved
-  and ``gpu_memory_utilization`` down by 0.05 (more room outside the KV cache).
+- ``weights_too_large``: CUDA ran out while loading the weights ("Failed to
+  load model - not enough GPU memory", ``gpu_model_runner.py``
+  ``GPUModelRunner.load_model``). The weights are loaded before the KV cache
+  is allocated, so no memory setting cures it: more GPUs, a quantized
+  checkpoint or a smaller model do. No step is taken, and a retry on the same
+  GPUs with the same model and parallelism stops before it loads anything
+  (``same_layout``).
+- ``out_of_memory``: CUDA ran out while profiling, warming up the sampler
+  or generating. Cured by a smaller batch: ``max_num_seqs`` halved and
+  ``gpu_memory_utilization`` down by 0.05 (more room outside the KV cache),
+  but never below what an earlier ``kv_cache_too_small`` raised it to: the
+  steps converge instead of bouncing between the two (``overrides``).
 
 Each retry takes one step from the settings the failed attempt actually used
 (its engine's values, or vLLM's defaults for its GPUs where the engine never
 started: ``max_num_seqs`` 1024 on GPUs of 70 GiB and more, ``EngineArgs.get_batch_defaults``;
-``gpu_memory_utilization`` 0.92, ``CacheConfig``). Nothing a retry changes
-alters a row's text: the KV cache dtype stays what the config says.
+``gpu_memory_utilization`` 0.92, ``CacheConfig``). The KV cache dtype stays what the config says.
+On GPUs, what a retry changes (the batch size, the memory) can change a row's text in the last
+digits of its logits, as the batch a row lands in does; ``model.batch_invariant`` makes the text
+independent of both.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from typing import Any
 
 # What vLLM and PyTorch print, lower-cased, per failure kind (first match wins).
 FAILURE_PATTERNS = {
+    "weights_too_large": ("failed to load model - not enough gpu memory",),
     "kv_cache_too_small": (
         "no available memory for the cache blocks",
         "larger than the available kv cache memory",
@@ -111,6 +123,8 @@ def next_settings(kind: str, used: dict[str, Any]) -> dict[str, Any]:
     """The settings for the attempt after one that failed with ``kind`` while using ``used``: one step
     in the direction that cures it."""
     util = used.get("gpu_memory_utilization") or 0.92
+    if kind == "weights_too_large":
+        return {}
     if kind == "kv_cache_too_small":
         if used.get("kv_cache_memory_bytes"):
             return {"kv_cache_memory_bytes": int(used["kv_cache_memory_bytes"]) * 2}
@@ -127,13 +141,45 @@ def overrides(failures: list[dict[str, Any]]) -> dict[str, Any]:
     """What this attempt changes after ``failures`` (the attempts that ran out of memory, oldest
     first): the last failure's step from the settings it used, on top of the steps before it."""
     out: dict[str, Any] = {}
+    floor = 0.0  # what the KV cache needed: a later failure of the batch halves the batch instead
     for failure in failures:
-        out = {**out, **next_settings(failure["kind"], failure["settings"])}
+        step = next_settings(failure["kind"], failure["settings"])
+        util = step.get("gpu_memory_utilization")
+        if util is not None and failure["kind"] == "kv_cache_too_small":
+            floor = max(floor, util)
+        elif util is not None and util < floor:
+            step["gpu_memory_utilization"] = floor
+        out = {**out, **step}
     return out
+
+
+# What decides whether a model's weights fit: a retry with the same stops at once.
+LAYOUT_KEYS = ("model", "quantization", "dtype", "tensor_parallel_size", "pipeline_parallel_size")
+
+
+def layout(model_kwargs: dict[str, Any], gpus: list[dict[str, Any]]) -> dict[str, Any]:
+    """The model, its precision and parallelism, and the GPUs (names and memory) it was loaded on."""
+    return {k: model_kwargs.get(k) for k in LAYOUT_KEYS} | {
+        "gpus": sorted(f"{g.get('name')} {g.get('memory_mib')}" for g in gpus)
+    }
+
+
+def same_layout(failures: list[dict[str, Any]], current: dict[str, Any]) -> dict[str, Any] | None:
+    """The last failure, when its weights did not fit with the layout this attempt would load."""
+    last = failures[-1] if failures else None
+    if last and last["kind"] == "weights_too_large" and last.get("layout") == current:
+        return last
+    return None
 
 
 def advice(kind: str) -> str:
     """What to change in the config when retries do not cure it."""
+    if kind == "weights_too_large":
+        return (
+            "the model's weights do not fit in the job's GPU memory: use more GPUs (model.tensor_parallel_size, "
+            "with model.gpus), a quantized checkpoint (FP8, AWQ, GPTQ) or a smaller model; no memory setting "
+            "cures it"
+        )
     if kind == "kv_cache_too_small":
         return (
             "the KV cache cannot hold one sequence of model.max_model_len tokens: lower model.max_model_len "

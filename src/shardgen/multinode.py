@@ -50,12 +50,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from shardgen import jobenv
 from shardgen.errors import ShardgenError
 
 log = logging.getLogger(__name__)
 
-# Environment variables that name the network interface, per library; a user's value is kept.
-IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 # The line a worker node prints with its GPUs, for the head's stats.
 NODE_RECORD = "shardgen-node: "
 
@@ -134,11 +133,12 @@ def interface_of(address: str) -> str | None:
 
 
 def node_environment(address: str) -> dict[str, str]:
-    """This node's address for vLLM's sockets (``VLLM_HOST_IP``) and its interface for gloo and NCCL."""
+    """This node's address for vLLM's sockets (``VLLM_HOST_IP``) and its interface for gloo and NCCL,
+    where the user has not chosen one (a choice of theirs stays as it is, on every node)."""
     env = {"VLLM_HOST_IP": address}
     ifname = interface_of(address)
     if ifname:
-        env.update({k: os.environ.get(k) or ifname for k in IFNAME_VARS})
+        env.update({k: ifname for k in jobenv.IFNAME_VARS if not os.environ.get(k) or k in jobenv.set_here})
     return env
 
 
@@ -181,7 +181,8 @@ class Workers:
         self.lost: str | None = None
         self.gpus: dict[str, list[dict[str, Any]]] = {}  # each worker node's GPUs, as it reported them
         self._stopping = False
-        env = {**os.environ, "SHARDGEN_ENGINE_ARGS": json.dumps(kwargs),
+        # not the head's own address, interfaces and cache: each node computes its own (jobenv)
+        env = {**jobenv.for_other_nodes(), "SHARDGEN_ENGINE_ARGS": json.dumps(kwargs),
                "SHARDGEN_ENGINE_HEAD": json.dumps([head.nodes, head.address, head.port])}  # fmt: skip
         # the job's total (--gpus) read by srun as the step's own would ask for all of them on fewer
         # nodes: "Invalid generic resource (gres) specification" (Slurm 22.05); the step asks per node
@@ -249,7 +250,7 @@ def launch(kwargs: dict[str, Any], nodes: int, gpus_per_node: int, on_lost) -> t
     """Start the workers of the job's other nodes; return the head's engine arguments and them."""
     names = this_job(nodes)
     address = node_address(names[0])
-    os.environ.update(node_environment(address))  # before vLLM spawns its processes, which inherit it
+    jobenv.apply(node_environment(address))  # before vLLM spawns its processes, which inherit it
     head = Head(nodes, address, free_port(address))
     workers = Workers(head, kwargs, names, gpus_per_node, on_lost)
     return {**kwargs, **head.engine_args(0)}, workers
@@ -287,9 +288,9 @@ def main_worker() -> int:
 
     rank = int(os.environ["SLURM_PROCID"]) + 1  # the step runs on the job's nodes after the first (srun sets it)
     node = node_name()
-    os.environ.update(node_environment(node_address(node)))
+    # this node's addresses and compile cache, not the head's
+    jobenv.apply(node_environment(node_address(node)) | {"VLLM_CACHE_ROOT": jobinfo.cache_root(jobinfo.host())})
     print(NODE_RECORD + json.dumps({"node": node, "gpus": gpus.describe_gpus()}), flush=True)
-    os.environ["VLLM_CACHE_ROOT"] = jobinfo.cache_root(jobinfo.host())  # this node's, not the head's
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor

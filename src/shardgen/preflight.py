@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardgen import engine as eng
-from shardgen import heads, lora
+from shardgen import heads, jobenv, lora
 from shardgen.config import RunConfig, engine_version, warnings
 from shardgen.errors import InputError, RowError, ShardgenError
 from shardgen.gpus import FP4_WEIGHT_FORMATS, FP8_WEIGHT_FORMATS, MXFP4_WEIGHT_FORMATS, checkpoint_quant_method
@@ -410,8 +409,7 @@ def report_text(report: dict[str, Any]) -> str:
 def main_preflight(config: RunConfig, manifest: str, report_path: str, model_record: str | None = None) -> int:
     from shardgen.fetch import load_record
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.update(eng.PROCESS_ENV)
+    jobenv.enter("preflight")  # done by the command already; in process (tests) here
     report = run(config, manifest, load_record(model_record) if model_record else None)
     atomic_write_text(report_path, json.dumps(report, indent=1) + "\n")
     print(report_text(report))

@@ -71,6 +71,7 @@ class AttemptEnd:
     kind: str | None = None  # out_of_memory: which memory
     stage: str | None = None  # out_of_memory: at the engine's start or while generating
     settings: dict[str, Any] | None = None  # out_of_memory: the memory settings it ran with
+    layout: dict[str, Any] | None = None  # out_of_memory: the model, parallelism and GPUs it loaded on
 
     def line(self) -> str:
         return _line("end", self)

@@ -236,6 +236,9 @@ def test_checkpoints_of_a_changed_sampling_key_are_not_reused(tmp_path, engine, 
 
 
 def test_thread_variables_from_snakemake_are_dropped_before_the_engine_starts(tmp_path, engine, monkeypatch):
+    from shardgen import jobenv
+
+    monkeypatch.setattr(jobenv, "removed", {})  # what this process dropped before (the session's start)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     config, manifest = plan(tmp_path, make_rows(2))
     _, stats = run(tmp_path, config, manifest, "00000", engine)

@@ -67,6 +67,6 @@ def test_the_token_file_of_hf_auth_login_is_hidden_from_the_commands_that_run_mo
     probe = "import huggingface_hub; print(huggingface_hub.get_token())"
     before = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert before.stdout.strip().startswith("hf_Shardgen"), "the probe finds the file when nothing hides it"
-    hidden = "from shardgen.cli import hide_tokens; hide_tokens(); " + probe
+    hidden = "from shardgen.jobenv import hide_tokens; hide_tokens(); " + probe
     after = subprocess.run([sys.executable, "-c", hidden], env=env, capture_output=True, text=True, check=True)
     assert after.stdout.strip() == "None"

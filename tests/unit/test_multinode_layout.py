@@ -66,7 +66,7 @@ def test_a_node_binds_to_the_interface_that_holds_its_slurm_address_and_a_user_s
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
     env = multinode.node_environment("127.0.0.1")
-    assert env == {"VLLM_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "ib0"}
+    assert env == {"VLLM_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}, "the user's NCCL_SOCKET_IFNAME stays"
     assert multinode.interface_of("192.0.2.1") is None  # TEST-NET: no interface here holds it
 
 
@@ -120,6 +120,28 @@ def test_workers_that_die_are_lost_and_stop_the_engine_and_their_gpus_and_output
     assert "ended (srun exit status 137)" in workers.lost and "n1" in workers.lost
     assert workers.gpus == {"n1": [{"name": "H100"}]}
     assert "loading weights" in capfd.readouterr().out
+
+
+def test_worker_nodes_compute_their_own_interfaces_and_cache_and_keep_what_the_user_set(tmp_path, monkeypatch):
+    """The head sets its own address, interfaces and compile cache before it starts the workers'
+    srun step, which copies its environment: a worker whose interface is ens3f0 must not get the
+    head's eno1, nor cache under the head's directory. A user's own choice reaches every node."""
+    from shardgen import jobenv
+
+    monkeypatch.setattr(jobenv, "set_here", set())
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")  # the user's
+    for name in ("VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "VLLM_CACHE_ROOT"):
+        monkeypatch.setenv(name, "")  # so that the test's end removes what apply sets below
+        monkeypatch.delenv(name)
+    jobenv.apply({"VLLM_CACHE_ROOT": "/local/head/vllm"})  # the head's engine settings
+    jobenv.apply({"VLLM_HOST_IP": "10.0.0.5", "NCCL_SOCKET_IFNAME": "eno1"})  # the head's node_environment
+    out = tmp_path / "worker-env"
+    seen = "$VLLM_HOST_IP|$NCCL_SOCKET_IFNAME|$GLOO_SOCKET_IFNAME|$VLLM_CACHE_ROOT"
+    fake_srun(tmp_path, monkeypatch, f'echo "{seen}" > {out}\nexit 1\n')
+    ended = threading.Event()
+    multinode.Workers(multinode.Head(2, "10.0.0.5", 1), {"model": "m"}, ["n0", "n1"], 8, ended.set)
+    assert ended.wait(30)
+    assert out.read_text().strip() == "||ib0|", "only the user's own setting reached the worker node"
 
 
 def test_workers_that_leave_with_status_0_pass_slurm_s_signal_on_to_the_head(tmp_path, monkeypatch):
