@@ -233,6 +233,30 @@ def check_sampling(config: RunConfig, tokenizer: Any, build: str) -> tuple[list[
     return problems, notes
 
 
+# A KV cache smaller than this on a GPU starves the batch (the CPU demo sets 1 GiB).
+SMALL_KV_CACHE_BYTES = 4 << 30
+
+
+def cpu_demo_settings(model_cfg: Any, build: str) -> list[str]:
+    """Warnings for settings of the CPU demo (config/config.yaml) that reach the CUDA build, where
+    they cost throughput: start from config/examples/ instead."""
+    if build != "cuda":
+        return []
+    out = []
+    if model_cfg.get("dtype") == "float32":
+        out.append("model.dtype: float32 on a GPU halves throughput and doubles the weights' memory; leave it out "
+                   "(the model's own, bfloat16)")  # fmt: skip
+    if model_cfg.get("enforce_eager"):
+        out.append("model.enforce_eager: true turns off CUDA graphs, much slower decoding on a GPU; leave it out")
+    kv = model_cfg.get("kv_cache_memory_bytes")
+    if kv and kv < SMALL_KV_CACHE_BYTES:
+        out.append(f"model.kv_cache_memory_bytes: {kv} ({kv / 2**30:.1f} GiB) starves the batch on a GPU; leave it "
+                   "out and let model.gpu_memory_utilization size the KV cache")  # fmt: skip
+    if out:
+        out.append("these are the CPU demo's settings (config/config.yaml); config/examples/ has configs for GPUs")
+    return out
+
+
 def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | None = None) -> dict[str, Any]:
     """Check the run; return the report.
 
@@ -265,6 +289,7 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     build = vllm_build()
     if version := version_problem():
         problems.append(version)
+    notes += cpu_demo_settings(model_cfg, build)
     problems += check_precision(model_cfg, hf_config, build)
     problems += check_engine_keys(model_cfg)
     problems += check_engine_values(model_cfg, hf_config)

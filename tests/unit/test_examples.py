@@ -1,0 +1,46 @@
+"""config/examples/: the configs a researcher copies for a GPU cluster are valid, ask Slurm for what
+they say, and carry none of the CPU demo's settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardgen import cluster
+from shardgen.config import RunConfig
+from shardgen.preflight import cpu_demo_settings
+from tests.conftest import ROOT
+
+EXAMPLES = ROOT / "config" / "examples"
+# example -> (task, GPUs per node, nodes)
+EXPECTED = {
+    "label-choice-8b-fp8": ("generate", 1, 1),
+    "synthetic-samples": ("generate", 1, 1),
+    "json-extraction": ("generate", 1, 1),
+    "classify": ("classify", 1, 1),
+    "embed": ("embed", 1, 1),
+    "tp-70b": ("generate", 4, 1),
+    "two-node": ("generate", 8, 2),
+}
+
+
+def test_every_example_is_listed_here():
+    assert sorted(p.stem for p in EXAMPLES.glob("*.yaml")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_an_example_is_valid_asks_slurm_for_its_gpus_and_has_no_cpu_demo_setting(name):
+    config = RunConfig.load(EXAMPLES / f"{name}.yaml")
+    task, gpus, nodes = EXPECTED[name]
+    request = cluster.generate_request(config, None, "generate_shard", config.resources.runtime)
+    assert (config.task, request.gpus, request.nodes) == (task, gpus, nodes)
+    assert cpu_demo_settings(config.model, "cuda") == []
+
+
+def test_the_cpu_demos_settings_on_a_gpu_are_a_warning_naming_each_and_the_examples():
+    demo = RunConfig.load(ROOT / "config" / "config.yaml")
+    assert cpu_demo_settings(demo.model, "cpu") == []
+    warned = "\n".join(cpu_demo_settings(demo.model, "cuda"))
+    for key in ("model.dtype: float32", "model.enforce_eager", "model.kv_cache_memory_bytes: 1073741824"):
+        assert key in warned
+    assert "config/examples/" in warned
+    assert (ROOT / "config" / "config.yaml").read_text().startswith("# The CPU demo's config")
