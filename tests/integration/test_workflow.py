@@ -152,6 +152,24 @@ def test_local_profile_runs_a_dataset_saved_with_save_to_disk_into_a_datasets_di
     assert rerun["output_rows"] == 42 and max(ds["generated_tokens"]) <= 5
 
 
+def test_an_hf_input_whose_local_data_file_grew_is_planned_again_not_kept_or_refused_forever(tmp_path):
+    """input.hf with a local data file: the file grew after planning. The run used to say "Nothing to
+    be done" and keep the old plan (or fail every job "changed after planning" with no way out): the
+    file is now in what decides replanning. Planning only: no engine runs."""
+    data = tmp_path / "data" / "topics.jsonl"
+    data.parent.mkdir()
+    data.write_text("".join(json.dumps(r) + "\n" for r in make_rows(8)))
+    config = workflow_config({"hf": {"path": "json", "data_files": str(data)}})
+    run_workflow(tmp_path, config, "local", "--until", "plan_shards")
+    manifest = tmp_path / "results" / "plan" / "manifest.json"
+    assert json.loads(manifest.read_text())["total_rows"] == 8
+    assert "plan_shards" not in dry_run_jobs(tmp_path, config)
+    data.write_text("".join(json.dumps(r) + "\n" for r in make_rows(10)))  # two rows more
+    assert "plan_shards" in dry_run_jobs(tmp_path, config)
+    run_workflow(tmp_path, config, "local", "--until", "plan_shards")
+    assert json.loads(manifest.read_text())["total_rows"] == 10
+
+
 def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_token(tmp_path, monkeypatch):
     """Shell metacharacters in values, a column named like a path, an output
     directory with a space, and a token in the environment: the run labels
