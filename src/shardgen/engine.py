@@ -182,7 +182,7 @@ class EngineSettings:
                 "(v1/worker/cpu_model_runner.py, warming_up_model; gpu_model_runner.py, _dummy_run), and that "
                 "stage fails its first step (assert self.intermediate_tensors is not None)"
             )
-        environment = {**jobenv.PROCESS_ENV, "VLLM_CACHE_ROOT": jobinfo.cache_root(jobinfo.host())}
+        environment = {**jobenv.PROCESS_ENV, **jobenv.node_caches(jobinfo.cache_root(jobinfo.host()))}
         if model.get("batch_invariant"):
             # batch-invariant kernels: a row's text does not depend on the rows batched with it
             # (vllm/model_executor/determinism/batch_invariant.py; GPU workers only)

@@ -45,12 +45,26 @@ PROCESS_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 # Variables that hold one node's own values (its address, its network interfaces, its compile
 # cache): set on each node for itself, never passed on to another node's processes.
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # the network interface, per library
-PER_NODE = ("VLLM_HOST_IP", *IFNAME_VARS, "VLLM_CACHE_ROOT")
+# The compile caches of vLLM (torch.compile, CUDA graphs, FlashInfer's autotuning), FlashInfer's JIT
+# kernels (FLASHINFER_WORKSPACE_BASE/.cache/flashinfer: flashinfer/jit/env.py) and Triton's (by
+# default ~/.triton, shared by every node): per node, under the node's own root (jobinfo.cache_root),
+# so that no two nodes write one cache at once. A value the user set is kept.
+CACHE_VARS = ("VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR")
+PER_NODE = ("VLLM_HOST_IP", *IFNAME_VARS, *CACHE_VARS)
 
 # The thread-count variables this process dropped, with their values.
 removed: dict[str, str] = {}
 # The PER_NODE variables shardgen set in this process (a user's own setting of one is passed on).
 set_here: set[str] = set()
+
+
+def node_caches(root: str) -> dict[str, str]:
+    """The per-node caches under ``root`` (``jobinfo.cache_root``), where the user set none; and no
+    download of FlashInfer's kernels on a compute node (FLASHINFER_NO_DOWNLOAD: a missing one fails at
+    once instead of waiting on the network; the preflight and the setup install them)."""
+    caches = {"VLLM_CACHE_ROOT": root, "FLASHINFER_WORKSPACE_BASE": root, "TRITON_CACHE_DIR": f"{root}/triton"}
+    env = {k: v for k, v in caches.items() if k == "VLLM_CACHE_ROOT" or not os.environ.get(k) or k in set_here}
+    return env | {"FLASHINFER_NO_DOWNLOAD": os.environ.get("FLASHINFER_NO_DOWNLOAD", "1")}
 
 
 def hide_tokens() -> None:

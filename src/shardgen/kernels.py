@@ -25,7 +25,11 @@ import subprocess
 import sys
 from importlib import metadata
 
-FIX = "run `vllm download-kernels` in this environment, on a machine with internet access (the login node)"
+FIX = (
+    f"run `{sys.prefix}/bin/vllm download-kernels` (this environment: under .snakemake/conda/ for the conda "
+    "route, whose environment does that itself when Snakemake creates it) on a machine with internet access (the "
+    "login node)"
+)
 
 
 def _version(dist: str) -> str | None:

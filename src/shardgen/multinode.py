@@ -289,7 +289,7 @@ def main_worker() -> int:
     rank = int(os.environ["SLURM_PROCID"]) + 1  # the step runs on the job's nodes after the first (srun sets it)
     node = node_name()
     # this node's addresses and compile cache, not the head's
-    jobenv.apply(node_environment(node_address(node)) | {"VLLM_CACHE_ROOT": jobinfo.cache_root(jobinfo.host())})
+    jobenv.apply(node_environment(node_address(node)) | jobenv.node_caches(jobinfo.cache_root(jobinfo.host())))
     print(NODE_RECORD + json.dumps({"node": node, "gpus": gpus.describe_gpus()}), flush=True)
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext

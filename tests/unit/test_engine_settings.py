@@ -191,10 +191,16 @@ def job_settings(monkeypatch, tmp_path, smi: str | None = None, cuda: str | None
 def test_a_job_spawns_vllms_processes_and_keeps_its_caches_per_node(monkeypatch, tmp_path):
     from shardgen import jobinfo
 
+    for name in ("FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "FLASHINFER_NO_DOWNLOAD"):
+        monkeypatch.delenv(name, raising=False)
     settings = job_settings(monkeypatch, tmp_path)
+    root = str(tmp_path / "vllm" / "shardgen-nodes" / jobinfo.host())
     assert settings.environment == {
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-        "VLLM_CACHE_ROOT": str(tmp_path / "vllm" / "shardgen-nodes" / jobinfo.host()),
+        "VLLM_CACHE_ROOT": root,
+        "FLASHINFER_WORKSPACE_BASE": root,  # FlashInfer's JIT kernels: <root>/.cache/flashinfer
+        "TRITON_CACHE_DIR": f"{root}/triton",
+        "FLASHINFER_NO_DOWNLOAD": "1",  # a compute node downloads no kernel: a missing one fails at once
     }
     monkeypatch.setenv("VLLM_CACHE_ROOT", "/scratch/mine")  # the documented override
     from shardgen.jobinfo import cache_root

@@ -3,6 +3,7 @@ and the Apptainer definition for --software-deployment-method apptainer."""
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -145,3 +146,15 @@ def test_the_first_gpu_run_script_parses_and_checks_every_case_it_runs():
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     cases = set(re.findall(r"^\s*run_case (\w+)", script.read_text(), re.M))
     assert {"fp8", "tp3", "pp2", "nvfp4", "labels", "json", "slurm"} <= cases
+
+
+def test_the_conda_and_container_routes_install_flashinfers_precompiled_kernels_when_they_are_made():
+    """Offline compute nodes cannot download them: the conda generate environment runs `vllm
+    download-kernels` when Snakemake creates it (its post-deploy script, named after the env file),
+    and the container's build does."""
+    envs = ROOT / "workflow" / "envs"
+    script = envs / "generate.post-deploy.sh"
+    assert script.exists() and os.access(script, os.X_OK) and "vllm download-kernels" in script.read_text()
+    assert (
+        "\n    vllm download-kernels\n" in (envs / "vllm.def").read_text().split("%post", 1)[1].split("%environment")[0]
+    )

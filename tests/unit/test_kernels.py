@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from shardgen import kernels
@@ -44,7 +46,9 @@ def test_the_preflight_message_says_what_to_run(installed, monkeypatch):
     monkeypatch.setattr(kernels, "torch_cuda", lambda: "13.0")
     message = kernels.kernel_problem()
     assert message.startswith("FlashInfer's precompiled kernels are missing (flashinfer-cubin is not installed")
-    assert "run `vllm download-kernels` in this environment, on a machine with internet access" in message
+    # the environment by its path: under the conda route, a hidden .snakemake/conda/<hash> one
+    assert f"run `{sys.prefix}/bin/vllm download-kernels` (this environment: under .snakemake/conda/" in message
+    assert "on a machine with internet access (the login node)" in message
 
 
 def test_the_fetch_step_runs_vllms_own_command_when_kernels_are_missing(installed, monkeypatch, tmp_path):
