@@ -54,4 +54,5 @@ def test_rows_run_with_the_adapter_their_column_names_and_an_unknown_one_is_a_ro
     assert len(changed) >= len(TOPICS) - 1, "the adapter's rows were generated with it"
     stats = json.loads((tmp_path / "results" / "stats.json").read_text())
     assert stats["error_reasons"] == {"unknown_adapter": 1, "base_row_with_lora_on_cpu": len(TOPICS)}
-    assert stats["provenance"]["lora_adapters"]["tuned"]["path"] == str(ADAPTER)
+    # named by its last component: local paths stay out of the provenance unless output.provenance_paths
+    assert stats["provenance"]["lora_adapters"]["tuned"]["path"] == f"<local>/{ADAPTER.name}"

@@ -116,8 +116,8 @@ def test_three_samples_per_row_are_kept_as_rows_and_merge_counts_them(tmp_path, 
         sampling={"temperature": 1.0, "max_tokens": 6, "n": 3, "seed": 11},
         shards={"rows_per_shard": 6},
     )
-    run_all(tmp_path, config, manifest, engine)
-    stats = merge(config, manifest, tmp_path / "s", tmp_path / "out.parquet", tmp_path / "stats.json")
+    run_all(tmp_path, config, manifest, engine, tag="out/shards")  # the shards of the run directory (output.dir)
+    stats = merge(config, manifest, tmp_path / "out.parquet", tmp_path / "stats.json")
     table = pq.read_table(tmp_path / "out.parquet")
     assert table.num_rows == 30 and stats["rows"] == 10 and stats["output_rows"] == 30
     assert table.column("row_index").to_pylist() == [i for i in range(10) for _ in range(3)]

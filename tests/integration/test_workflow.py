@@ -207,7 +207,9 @@ def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_tok
         assert abs(sum(r["choice_probs"].values()) - 1) < 1e-6 and r["label_prob"] > 0
     assert not list(tmp_path.parent.glob("evil*")) and not (tmp_path / "evil").exists()
     stats = json.loads((out / "stats.json").read_text())
-    assert stats["rows"] == 4 and stats["provenance"]["model"] == config["model"]["model"]
+    assert stats["rows"] == 4 and stats["provenance"]["model_digest"].startswith("sha256:")
+    # the model's local directory by its last component only (output.provenance_paths is off)
+    assert stats["provenance"]["model"] == "<local>/" + config["model"]["model"].rsplit("/", 1)[-1]
     first, second = (json.loads((out / "shards" / f"0000{i}.stats.json").read_text()) for i in (0, 1))
     assert first["engine_start_seconds"] > 5 and second["engine_start_seconds"] < 1, "one engine start per job"
     assert (out / "logs" / "generate_shards" / "00000.log").exists()
