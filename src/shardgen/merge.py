@@ -149,7 +149,9 @@ def provenance(config: RunConfig, first: dict[str, Any], run: RunTotals, config_
         "pooling": dict(config.raw["pooling"]) if config.task != "generate" else None,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
-    return prov if config.output.provenance_paths else _no_paths(prov)
+    if not config.output.provenance_paths:  # the fields that hold paths; sampling values are the user's text
+        prov.update({k: _no_paths(prov[k]) for k in ("model", "engine_args", "lora_adapters")})
+    return prov
 
 
 def _no_paths(value: Any) -> Any:

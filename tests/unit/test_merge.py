@@ -266,8 +266,11 @@ def test_the_provenance_names_no_local_path_unless_asked_to(tmp_path):
         "model_source": {"commit": "abc123"},
         "lora_adapters": {"terse": {"source": "local", "path": "/home/ada/adapters/terse"}},
     }  # fmt: skip
-    prov = provenance(config(), first, RunTotals(), "fp")
+    run = config()
+    run = run.__class__.from_dict({**run.raw, "sampling": {**run.raw["sampling"], "stop": ["/end"]}})
+    prov = provenance(run, first, RunTotals(), "fp")
     assert "/home/ada" not in json.dumps(prov) and "/scratch" not in json.dumps(prov)
+    assert prov["sampling"]["stop"] == ["/end"], "a sampling value that starts with a slash is the user's text"
     assert prov["engine_args"] == {"model": "<local>/abc123", "download_dir": "<local>/hf", "max_model_len": 1024}
     assert prov["lora_adapters"]["terse"]["path"] == "<local>/terse" and prov["model_revision"] == "abc123"
     assert provenance(config(provenance_paths=True), first, RunTotals(), "fp")["engine_args"] == first["engine"]["args"]
