@@ -153,11 +153,6 @@ class RunDir:
         return {n.removesuffix(".parquet") for n in names if n.endswith(".parquet")
                 and self.shard_stats(n.removesuffix(".parquet")).name in names}  # fmt: skip
 
-    def committed_fingerprint(self, shard: str) -> str | None:
-        """The fingerprint of the shard's committed output; None when it is not committed
-        (``committed_fingerprint`` of its two files)."""
-        return committed_fingerprint(self.shard_file(shard), self.shard_stats(shard))
-
 
 def committed_fingerprint(path: str | Path, stats: str | Path) -> str | None:
     """The fingerprint of a committed shard file; None when the shard is not committed.
