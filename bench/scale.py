@@ -32,6 +32,7 @@ Usage: python bench/scale.py [--size smoke|full] [--out DIR] [--work DIR] [--ste
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -55,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from shardgen import config as cfg  # noqa: E402
+from shardgen import plan  # noqa: E402
 from shardgen.engine import engine_kwargs  # noqa: E402
 from shardgen.generate import shard_fingerprint  # noqa: E402
 from shardgen.io import atomic_write_text  # noqa: E402
@@ -643,55 +645,162 @@ def step_slurm(work: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Cluster:
-    shards: int = 1000
-    gpus: int = 32  # one engine per GPU (e.g. 4 nodes of 8)
+    shards: int = 1000  # of the plan without a tail
+    gpus: int = 32  # one engine per GPU (e.g. 4 nodes of 8); the elastic workers
     shard_seconds: float = 600.0  # mean generation time of a shard
     sigma: float = 1.0  # log-normal spread of shards' work (median ÷ mean = exp(-sigma²/2))
     engine_start_s: float = 180.0  # weights, CUDA graphs, compile of an 8B model
     queue_s: float = 15.0  # from a GPU freeing to the next job starting on it
     per_job: int = 10
     seed: int = 0
+    rows_per_shard: int = 1000
+    shard_overhead_s: float = 5.0  # a worker between two shards: claim, open the input, commit
+    failures_per_gpu_hour: float = 0.01  # a worker's job dies (node lost, ...)
+    checkpoint_s: float = 300.0  # a failed shard resumes from its last checkpoint (checkpoint.seconds)
+    end_watch_s: float = 90.0  # a worker with no shard left watches the others' claims (1.5 heartbeats)
 
 
 def simulate(c: Cluster, mode: str, work: list[float]) -> dict[str, Any]:
-    """Makespan and efficiency of one scheduling mode on ``c.gpus`` GPUs, FIFO like Slurm.
+    """Makespan and efficiency of one job mode on ``c.gpus`` GPUs, FIFO like Slurm.
 
     ``per_shard``: a job (engine start + shard) per shard; ``per_job``: jobs of
-    ``c.per_job`` consecutive shards, one engine each; ``workers``: one job per
-    GPU that takes the next shard from the plan until none is left.
-    Efficiency: generation time ÷ billed job time (start to end of every job).
+    ``c.per_job`` consecutive shards, one engine each. (Elastic workers:
+    ``simulate_workers``.) Efficiency: generation time ÷ billed job time
+    (start to end of every job).
     """
     import heapq
 
-    if mode == "workers":
-        free = [c.engine_start_s] * c.gpus  # when each worker's engine takes its next shard
-        starts = c.gpus
-        for w in work:
-            t = heapq.heappop(free)
-            heapq.heappush(free, t + w)
-        ends = free
-        billed = sum(ends)
-    else:
-        k = 1 if mode == "per_shard" else c.per_job
-        jobs = [sum(work[i : i + k]) for i in range(0, len(work), k)]
-        starts = len(jobs)
-        slots = [0.0] * c.gpus
-        billed, ends = 0.0, []
-        for j, w in enumerate(jobs):
-            t = heapq.heappop(slots) + (c.queue_s if j >= c.gpus else 0.0)
-            end = t + c.engine_start_s + w
-            billed += end - t
-            ends.append(end)
-            heapq.heappush(slots, end)
-    makespan = max(ends)
+    k = 1 if mode == "per_shard" else c.per_job
+    jobs = [sum(work[i : i + k]) for i in range(0, len(work), k)]
+    slots = [0.0] * c.gpus
+    billed, ends = 0.0, []
+    for j, w in enumerate(jobs):
+        t = heapq.heappop(slots) + (c.queue_s if j >= c.gpus else 0.0)
+        end = t + c.engine_start_s + w
+        billed += end - t
+        ends.append(end)
+        heapq.heappush(slots, end)
+    return _summary(c, mode, len(jobs), max(ends), billed, sum(work))
+
+
+def _summary(c: Cluster, mode: str, starts: int, makespan: float, billed: float, work: float) -> dict[str, Any]:
     return {
         "mode": mode,
         "engine_starts": starts,
         "makespan_h": round(makespan / 3600, 2),
         "billed_gpu_h": round(billed / 3600, 1),
-        "efficiency": round(sum(work) / billed, 3),
+        "efficiency": round(work / billed, 3),
         "gpu_busy_until_end": round(billed / (makespan * c.gpus), 3),
     }
+
+
+def sim_plan(c: Cluster, density: np.ndarray, tail: bool, estimate: str) -> tuple[Manifest, list[float]]:
+    """The plan of ``c.shards`` blocks of ``c.rows_per_shard`` rows, block i's rows ``density[i]``
+    seconds each, made by the package's own cutting (``plan.guided_tail`` when ``tail``), as a manifest,
+    and each shard's true work (seconds). ``estimate``: rows (the plan knows nothing of the work, as
+    with ``balance: rows``, or ``balance: tokens`` when output lengths make the spread) or work (the
+    plan's ``estimated_tokens`` is the true work)."""
+    rows, total = c.rows_per_shard, c.shards * c.rows_per_shard
+    true = plan.WorkCurve([(rows, d * rows * plan.BYTES_PER_TOKEN) for d in density], 0, total)
+    curve = true if estimate == "work" else plan.RowCurve(total)
+    cuts = [*range(0, total, rows), total]
+    if tail:
+        cuts = plan.guided_tail(cuts, curve, c.gpus)
+    width = plan.shard_id_width(len(cuts) - 1)
+    shards = [
+        {"id": f"{i:0{width}d}", "start": a, "stop": b, "segments": []}
+        for i, (a, b) in enumerate(itertools.pairwise(cuts))
+    ]
+    works = plan.shard_works(true, cuts)
+    if estimate == "work":
+        for s, w in zip(shards, works, strict=True):
+            s["estimated_tokens"] = round(w)
+    return Manifest({"version": plan.MANIFEST_VERSION, "total_rows": total, "shards": shards}), works
+
+
+def simulate_workers(c: Cluster, order: list[str], work: dict[str, float]) -> dict[str, Any]:
+    """Elastic workers, one per GPU, taking shards in ``order`` (what ``ClaimBoard.next`` does: the
+    first shard nobody claimed), with the engine start, ``c.shard_overhead_s`` per shard, ``c.end_watch_s``
+    billed to a worker that found none left, and failures:
+    a worker's job dies after an exponential time of generation (``c.failures_per_gpu_hour``); its
+    retry queues (``c.queue_s``), starts an engine and takes its claim back first, resuming the shard
+    from its last checkpoint (``c.checkpoint_s`` of generation). Billed: every job from its start to
+    its end."""
+    import heapq
+
+    rng = np.random.default_rng([c.seed, 1])
+    rate = c.failures_per_gpu_hour / 3600
+
+    def until_failure() -> float:
+        return rng.exponential(1 / rate) if rate else float("inf")
+
+    left = iter(order)
+    free = [(c.engine_start_s, w) for w in range(c.gpus)]  # when each worker's engine takes its next shard
+    job_start = [0.0] * c.gpus
+    budget = [until_failure() for _ in range(c.gpus)]  # generation time until each worker's job dies
+    resume: dict[int, float] = {}  # worker -> work left of the shard its retry takes back
+    billed, ends, starts, failures = 0.0, [], c.gpus, 0
+    while free:
+        t, w = heapq.heappop(free)
+        if w in resume:
+            rest = resume.pop(w)
+        else:
+            shard = next(left, None)
+            if shard is None:
+                billed += t - job_start[w]
+                ends.append(t)
+                continue
+            rest = work[shard]
+        t += c.shard_overhead_s
+        if budget[w] >= rest:
+            budget[w] -= rest
+            heapq.heappush(free, (t + rest, w))
+            continue
+        failures += 1
+        died = t + budget[w]
+        resume[w] = rest - budget[w] // c.checkpoint_s * c.checkpoint_s
+        billed += died - job_start[w]
+        job_start[w] = died + c.queue_s
+        budget[w] = until_failure()
+        starts += 1
+        heapq.heappush(free, (job_start[w] + c.engine_start_s, w))
+    billed += sum(min(c.end_watch_s, max(ends) - t) for t in ends)  # until the last claim is gone
+    out = _summary(c, "workers", starts, max(ends), billed, sum(work.values()))
+    return out | {"failures": failures}
+
+
+ORDERS = {  # name: (tail cut by the plan, order the workers take shards in)
+    "plan order": (False, lambda m: [s.id for s in m.shards]),
+    "longest first": (False, plan.work_order),
+    "longest first + tail": (True, plan.work_order),
+}
+
+
+def simulate_end(c: Cluster, estimate: str) -> dict[str, Any]:
+    """Elastic workers under each order of ``ORDERS``, on the same work (one draw of ``c.seed``)."""
+    raw = np.random.default_rng(c.seed).lognormal(0.0, c.sigma, c.shards)
+    density = raw / raw.mean() * c.shard_seconds / c.rows_per_shard
+    total = float(density.sum()) * c.rows_per_shard
+    bound = total / c.gpus + c.engine_start_s
+    runs = []
+    for name, (tail, order) in ORDERS.items():
+        manifest, works = sim_plan(c, density, tail, estimate)
+        r = simulate_workers(c, order(manifest), {s.id: w for s, w in zip(manifest.shards, works, strict=True)})
+        runs.append({"order": name, "shards": len(works)} | r | {"vs_bound": round(r["makespan_h"] * 3600 / bound, 3)})
+    largest = float(raw.max() / raw.mean() * c.shard_seconds)
+    return {
+        "shards": c.shards,
+        "gpus": c.gpus,
+        "sigma": c.sigma,
+        "estimate": estimate,
+        "bound_h": round(bound / 3600, 2),
+        # no order of whole shards ends before its largest does
+        "largest_shard_vs_bound": round((largest + c.engine_start_s) / bound, 3),
+        "runs": runs,
+    }
+
+
+END_CASES = [(1000, 32, 0.5), (1000, 32, 1.0), (1000, 32, 1.5), (10000, 256, 0.5), (10000, 256, 1.0), (10000, 256, 1.5)]
 
 
 def step_simulate(work_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -700,18 +809,29 @@ def step_simulate(work_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     raw = rng.lognormal(0.0, c.sigma, c.shards)
     work = list(raw / raw.mean() * c.shard_seconds)
     say(f"simulate: {c.shards} shards on {c.gpus} GPUs")
-    runs = [simulate(c, mode, work) for mode in ("per_shard", "per_job", "workers")]
+    runs = [simulate(c, mode, work) for mode in ("per_shard", "per_job")]
+    # elastic workers on the same work, with the package's own policy: in plan order, and with the tail
+    workers = simulate_end(c, "rows")["runs"]
+    runs += [workers[0] | {"mode": "workers"}, workers[2] | {"mode": "workers + tail"}]
     base = runs[0]
     for r in runs:
         r["makespan_vs_per_shard"] = round(r["makespan_h"] / base["makespan_h"], 2)
+    end = []
+    for estimate in ("rows", "work"):
+        for shards, gpus, sigma in END_CASES:
+            say(f"simulate: {shards} shards on {gpus} GPUs, sigma {sigma}, estimate {estimate}")
+            end.append(simulate_end(Cluster(shards=shards, gpus=gpus, sigma=sigma), estimate))
     return {
-        "what": "simulated (no engine, no Slurm): shards of log-normal work scheduled FIFO on GPUs",
+        "what": "simulated (no engine, no Slurm): shards of log-normal work scheduled FIFO on GPUs; elastic "
+        "workers with the package's own plan cutting (plan.guided_tail) and order (plan.work_order)",
         "cluster": asdict(c),
         "work": {
             "max_over_median": round(max(work) / float(np.median(work)), 1),
             "total_gpu_h": round(sum(work) / 3600, 1),
         },
         "runs": runs,
+        "tail": {"fraction": plan.TAIL_FRACTION, "floor": plan.TAIL_FLOOR},
+        "end": end,
     }
 
 
@@ -896,8 +1016,43 @@ def markdown(result: dict[str, Any]) -> str:
         text += (
             "\nEfficiency: generation time ÷ billed job time (a job is billed from its start, engine start "
             "included, to its end). GPUs busy to the end: billed time ÷ (GPUs × makespan), what a fixed "
-            "reservation of the GPUs would get.\n"
+            "reservation of the GPUs would get."
+            + (
+                " The `workers` rows include the time per shard and the failures below; the others do not."
+                if sim.get("end")
+                else ""
+            )
+            + "\n"
         )
+        if end := sim.get("end"):
+            text += (
+                f"\n**The end of the run** (`simulate` step): elastic workers with the package's own policy: the "
+                f"order `plan.work_order` gives (largest estimated work first) and the plan's tail "
+                f"(`shards.tail: guided`, `plan.guided_tail`: each tail shard 1/{1 / sim['tail']['fraction']:g} of the "
+                f"work left per worker, down to 1/{1 / sim['tail']['floor']:g} of an average shard). Shards of "
+                f"log-normal work as above, one draw per case; {c['shard_overhead_s']:.0f} s per shard, a worker "
+                f"with none left watches the others' claims {c['end_watch_s']:.0f} s (billed), "
+                f"{c['failures_per_gpu_hour']:g} failures per GPU-hour (the retry queues "
+                f"{c['queue_s']:.0f} s, starts an engine and resumes from the last checkpoint, every "
+                f"{c['checkpoint_s']:.0f} s). Bound: work ÷ GPUs + one engine start. Estimate `rows`: the "
+                "plan knows nothing of the spread (all shards look alike: output lengths, or `balance: rows` "
+                "on uniform prompts); `work`: the plan's `estimated_tokens` is each shard's true work.\n\n"
+                "| shards | GPUs | sigma | estimate | bound (h) | largest shard ÷ bound | order | shards run "
+                "| makespan (h) | ÷ bound | efficiency | failures |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+            )
+            for case in end:
+                for r in case["runs"]:
+                    text += (
+                        f"| {case['shards']:,} | {case['gpus']} | {case['sigma']} | {case['estimate']} "
+                        f"| {case['bound_h']} | {case['largest_shard_vs_bound']} | {r['order']} | {r['shards']:,} "
+                        f"| {r['makespan_h']} | {r['vs_bound']} | {r['efficiency']:.1%} | {r['failures']} |\n"
+                    )
+            text += (
+                "\nNo order of the plan's shards can end before its largest shard does (largest shard ÷ bound): "
+                "where that is above the target, only a plan that knows the shard is large (the estimate) "
+                "cuts it.\n"
+            )
     if (modes := result.get("modes")) and "runs" in modes:
         text += (
             f"\n**Real** (`modes` step): {modes['what']}.\n\n"

@@ -4,9 +4,10 @@ Every generate job owns the shards it writes through a claim: an elastic
 worker (``shards.workers``) for each shard it takes, a job of one shard (or
 of ``shards.per_job`` shards) for each of its shards (``ClaimBoard.acquire``).
 
-W worker jobs take shards from the plan until none is left. A worker claims a
-shard by creating ``claims/<shard>.<generation>.claim`` with ``O_EXCL``: of
-any number of workers racing for the same name, exactly one creates it. The
+W worker jobs take shards from the plan, largest estimated work first
+(``plan.work_order``), until none is left. A worker claims a shard by
+creating ``claims/<shard>.<generation>.claim`` with ``O_EXCL``: of any
+number of workers racing for the same name, exactly one creates it. The
 file says who holds it (worker index, host, Slurm job, pid, a token); its
 modification time is the heartbeat, renewed by a thread while the shard runs.
 
@@ -300,7 +301,8 @@ class ClaimBoard:
 
         In this order: the claims this worker index held before (a retried
         worker carries on with them, failed or not); shards nobody claimed, in
-        plan order; claims whose heartbeat is older than the lease (not marked
+        the order of ``shard_ids`` (workers pass ``plan.work_order``: largest
+        first); claims whose heartbeat is older than the lease (not marked
         failed), oldest first. When only other workers' claims are left, it
         watches them for one and a half heartbeats: a claim that was not
         renewed meanwhile belongs to a worker that stopped, and this worker

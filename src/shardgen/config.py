@@ -169,6 +169,8 @@ def check_consistency(config: dict[str, Any]) -> None:
             f"shards.workers ({shards['workers']}) and shards.per_job ({shards['per_job']}) both set: a worker "
             "already runs shard after shard on one engine; drop shards.per_job"
         )
+    if shards.get("tail") == "guided" and not shards.get("workers"):
+        raise ConfigError("shards.tail: guided cuts the tail per worker: it needs shards.workers")
     if prompt.get("system") and not prompt.get("chat", True):
         raise ConfigError(
             "prompt.system is set but prompt.chat is false: a system message needs the chat template; "
@@ -433,6 +435,7 @@ class ShardsConfig:
     workers: int | None = None
     lease_seconds: float = 300
     balance: str = "rows"
+    tail: str | None = None
 
 
 @dataclass(frozen=True)

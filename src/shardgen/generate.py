@@ -42,7 +42,7 @@ from shardgen.io import Dir, atomic_write_text
 from shardgen.lora import Adapters
 from shardgen.multinode import WorkersLost
 from shardgen.outputs import ShardCheckpoint
-from shardgen.plan import Manifest, Shard, check_columns
+from shardgen.plan import Manifest, Shard, check_columns, work_order
 from shardgen.prompts import PromptRenderer
 from shardgen.results import result_spec
 from shardgen.rundir import RunDir, committed_fingerprint
@@ -513,6 +513,7 @@ def run_worker(
     record: dict[str, Any] = {"worker": worker, "host": holder.host, "job_id": holder.job_id, "committed": [],
                               "kept": [], "taken_over": [], "lost": []}  # fmt: skip
     done: set[str] = set()
+    order = work_order(manifest)  # largest estimated work first
 
     def is_done(shard_id: str) -> bool:
         files = run_dir.shard_file(shard_id), run_dir.shard_stats(shard_id)
@@ -522,7 +523,7 @@ def run_worker(
 
     try:
         with stop:
-            while (claim := board.next([s.id for s in manifest.shards], is_done)) is not None:
+            while (claim := board.next(order, is_done)) is not None:
                 with claim:
                     shard_id = claim.shard
                     if claim.took_over and claim.took_over.get("worker") != worker:

@@ -66,6 +66,55 @@ BYTES_PER_TOKEN = 4
 MAX_ROWS_FACTOR = 4
 
 
+class WorkCurve:
+    """Estimated work (tokens) of the input's first rows: per block of rows, its prompt bytes per row
+    as tokens plus ``output_tokens``.
+
+    ``blocks``: ``(rows, prompt bytes)`` in row order (``Source.byte_blocks``).
+    """
+
+    def __init__(self, blocks: Iterable[tuple[int, int]], output_tokens: int, total_rows: int) -> None:
+        firsts, per_row, before = [], [], [0.0]  # per block: first row, work per row, work before it
+        row = 0
+        for rows, size in blocks:
+            if rows:
+                firsts.append(row)
+                per_row.append(size / rows / BYTES_PER_TOKEN + output_tokens)
+                before.append(before[-1] + rows * per_row[-1])
+                row += rows
+        if row != total_rows:
+            raise InputError(f"input: the metadata describes {row} rows, the source has {total_rows}; plan again")
+        firsts.append(total_rows)
+        self.firsts, self.per_row, self.before, self.total_rows = firsts, per_row, before, total_rows
+
+    @property
+    def total(self) -> float:
+        return self.before[-1]
+
+    def work_to(self, r: int) -> float:
+        """The work of rows ``[0, r)``."""
+        i = max(bisect.bisect_right(self.firsts, r) - 1, 0)
+        return self.before[i] + (r - self.firsts[i]) * self.per_row[i] if i < len(self.per_row) else self.before[-1]
+
+    def row_reaching(self, x: float) -> int:
+        """The fewest rows whose work reaches ``x``."""
+        i = min(max(bisect.bisect_left(self.before, x) - 1, 0), len(self.per_row) - 1)
+        return min(self.firsts[i] + math.ceil((x - self.before[i]) / self.per_row[i] - 1e-9), self.total_rows)
+
+
+class RowCurve:
+    """Work as rows: the estimate of a plan without one."""
+
+    def __init__(self, total_rows: int) -> None:
+        self.total = self.total_rows = total_rows
+
+    def work_to(self, r: int) -> float:
+        return float(r)
+
+    def row_reaching(self, x: float) -> int:
+        return min(math.ceil(x - 1e-9), self.total_rows)
+
+
 def make_balanced_shards(
     source: Source, rows_per_shard: int, blocks: Iterable[tuple[int, int]], output_tokens: int
 ) -> tuple[list[Shard], list[float]]:
@@ -78,37 +127,68 @@ def make_balanced_shards(
     and none larger than ``MAX_ROWS_FACTOR × rows_per_shard`` rows (such cuts
     add shards).
     """
-    firsts, per_row, before = [], [], [0.0]  # per block: first row, work per row, work before it
-    row = 0
-    for rows, size in blocks:
-        if rows:
-            firsts.append(row)
-            per_row.append(size / rows / BYTES_PER_TOKEN + output_tokens)
-            before.append(before[-1] + rows * per_row[-1])
-            row += rows
-    total = source.num_rows
-    if row != total:
-        raise InputError(f"input: the metadata describes {row} rows, the source has {total}; plan again")
-    firsts.append(total)
+    cuts, curve = balanced_cuts(source.num_rows, rows_per_shard, blocks, output_tokens)
+    return shards_between(source, cuts), shard_works(curve, cuts)
 
-    def work_to(r: int) -> float:  # the work of rows [0, r)
-        i = max(bisect.bisect_right(firsts, r) - 1, 0)
-        return before[i] + (r - firsts[i]) * per_row[i] if i < len(per_row) else before[-1]
 
-    def row_reaching(x: float) -> int:  # the fewest rows whose work reaches x
-        i = min(max(bisect.bisect_left(before, x) - 1, 0), len(per_row) - 1)
-        return min(firsts[i] + math.ceil((x - before[i]) / per_row[i] - 1e-9), total)
-
+def balanced_cuts(
+    total: int, rows_per_shard: int, blocks: Iterable[tuple[int, int]], output_tokens: int
+) -> tuple[list[int], WorkCurve]:
+    """The cuts of ``make_balanced_shards``, and the work curve they follow."""
+    curve = WorkCurve(blocks, output_tokens, total)
     count = -(-total // rows_per_shard)
-    target = before[-1] / count
+    target = curve.total / count
     cuts, k = [0], 1
     while cuts[-1] < total:
         start = cuts[-1]
-        stop = row_reaching(k * target) if k < count else total
+        stop = curve.row_reaching(k * target) if k < count else total
         cuts.append(min(max(stop, start + 1), start + MAX_ROWS_FACTOR * rows_per_shard, total))
-        while k < count and work_to(cuts[-1]) >= k * target * (1 - 1e-12):
+        while k < count and curve.work_to(cuts[-1]) >= k * target * (1 - 1e-12):
             k += 1
-    return shards_between(source, cuts), [work_to(b) - work_to(a) for a, b in itertools.pairwise(cuts)]
+    return cuts, curve
+
+
+def shard_works(curve: WorkCurve | RowCurve, cuts: list[int]) -> list[float]:
+    """The estimated work of each shard between ``cuts``."""
+    return [curve.work_to(b) - curve.work_to(a) for a, b in itertools.pairwise(cuts)]
+
+
+# shards.tail: guided. A tail shard is this fraction of the work left per worker, and no smaller than
+# this fraction of an average shard of the plan (bench/scale.py, simulate step: how these were chosen).
+TAIL_FRACTION = 1 / 8
+TAIL_FLOOR = 1 / 4
+
+
+def guided_tail(cuts: list[int], curve: WorkCurve | RowCurve, workers: int) -> list[int]:
+    """The cuts with the end of the plan cut smaller (guided self-scheduling).
+
+    The plan's shards are kept while each is at most ``TAIL_FRACTION`` of
+    the work after its start per worker. From the first that is larger, to
+    the end, each shard is that fraction of the work left per worker, but no
+    less than ``TAIL_FLOOR`` of an average shard of ``cuts`` and of no more
+    rows than the largest: shards shrink as the run nears its end, so the
+    last shards to start end soon after the others. Work is ``curve``'s
+    estimate. Deterministic; every row stays in exactly one shard, in order.
+    """
+    total = cuts[-1]
+    if total == 0 or workers < 1:
+        return list(cuts)
+    work = curve.work_to
+    end = work(total)
+    floor = TAIL_FLOOR * end / (len(cuts) - 1)
+    rows = max(b - a for a, b in itertools.pairwise(cuts))  # and no more rows than the plan's largest shard
+    out = [0]
+    for a, b in itertools.pairwise(cuts):
+        if work(b) - work(a) <= TAIL_FRACTION * (end - work(a)) / workers:
+            out.append(b)
+            continue
+        while out[-1] < total:  # the tail, from a
+            x = work(out[-1])
+            step = max(TAIL_FRACTION * (end - x) / workers, floor)
+            stop = total if end - x - step < floor / 2 else curve.row_reaching(x + step)
+            out.append(min(max(stop, out[-1] + 1), out[-1] + rows, total))
+        break
+    return out
 
 
 def check_columns(config: RunConfig, schema: Any, where: str, head: Any = None) -> None:
@@ -149,14 +229,20 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
             f"input: {source.describe()} has no rows; nothing to generate. "
             "Set input.allow_empty: true to end such runs cleanly with an empty output"
         )
-    per_shard = config.shards.rows_per_shard
+    per_shard, total = config.shards.rows_per_shard, source.num_rows
     works: list[float] | None = None
-    if config.shards.balance == "tokens" and source.num_rows:
+    curve: WorkCurve | RowCurve = RowCurve(total)
+    if config.shards.balance == "tokens" and total:
         blocks = source.byte_blocks(sorted(renderer.columns))
-        output_tokens = config.sampling.max_tokens * config.sampling.n
-        shards, works = make_balanced_shards(source, per_shard, blocks, output_tokens)
+        cuts, curve = balanced_cuts(total, per_shard, blocks, config.sampling.max_tokens * config.sampling.n)
     else:
-        shards = make_shards(source, per_shard)
+        cuts = [*range(0, total, per_shard), total]
+    guided = config.shards.tail == "guided"
+    if guided:
+        cuts = guided_tail(cuts, curve, config.shards.workers or 1)
+    shards = shards_between(source, cuts)
+    if isinstance(curve, WorkCurve):
+        works = shard_works(curve, cuts)
     entries = []
     for i, s in enumerate(shards):
         entry = {
@@ -168,14 +254,16 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
         if works is not None:
             entry["estimated_tokens"] = round(works[i])
         entries.append(entry)
-    return {
+    manifest = {
         "version": MANIFEST_VERSION,
         "source": source.to_manifest(),
-        "total_rows": source.num_rows,
+        "total_rows": total,
         "rows_per_shard": per_shard,
         "balance": config.shards.balance,
-        "shards": entries,
     }
+    if guided:  # only then: the manifests of other plans stay as they were
+        manifest["tail"] = {"kind": "guided", "workers": config.shards.workers}
+    return manifest | {"shards": entries}
 
 
 class Manifest:
@@ -207,6 +295,15 @@ class Manifest:
             return self._by_id[shard_id]
         except KeyError:
             raise InputError(f"manifest: no shard '{shard_id}' (the plan has {len(self.shards)})") from None
+
+
+def work_order(manifest: Manifest) -> list[str]:
+    """Shard ids in the order elastic workers take them: largest estimated work first (the plan's
+    ``estimated_tokens`` when every shard has one, else rows), ties in plan order."""
+    entries = manifest.data["shards"]
+    estimated = all("estimated_tokens" in e for e in entries)
+    sizes = [e["estimated_tokens"] if estimated else e["stop"] - e["start"] for e in entries]
+    return [entries[i]["id"] for i in sorted(range(len(entries)), key=lambda i: -sizes[i])]
 
 
 def write_manifest(config: RunConfig, path: str | Path) -> dict[str, Any]:

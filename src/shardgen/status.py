@@ -83,6 +83,21 @@ class RunStatus:
                 rows += n * (min(end, self.now) - max(start, lo)) / (end - start)
         return rows / self.window_s
 
+    def eta(self) -> tuple[float, list[tuple[ShardState, float]]] | None:
+        """Seconds to the end of the run, and the running shards that hold it up (with their own
+        seconds left, longest first); None without a rate.
+
+        The rows left take ``rate``'s time; a running shard whose rows left take longer at its own
+        rate ends after the rest of the run, which then ends with the last of them.
+        """
+        rate = self.rate()
+        if rate <= 0:
+            return None
+        rest = (self.total_rows - self.rows_done) / rate
+        late = [(s, (s.rows - s.done) / s.rate) for s in self.shards if s.state == "running" and s.rate]
+        late = sorted([(s, left) for s, left in late if left > rest], key=lambda x: -x[1])
+        return (late[0][1] if late else rest), late
+
     def errors(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for s in self.shards:
@@ -209,13 +224,19 @@ def format_status(st: RunStatus, slowest: int = 5) -> str:
         f"run: {st.out_dir}  ({len(st.shards)} shards, {total:,} rows)",
         f"rows: {done:,} of {total:,} done ({pct:.1f}%), {st.rows_resumed:,} of them from checkpoints",
     ]
-    rate = st.rate()
+    rate, eta = st.rate(), st.eta()
     left = total - done
-    if rate > 0:
-        eta = datetime.datetime.fromtimestamp(st.now + left / rate).strftime("%Y-%m-%d %H:%M")
-        lines.append(
-            f"rate: {rate:,.1f} rows/s over the last {st.window_s / 60:g} min; ETA {_dur(left / rate)} ({eta})"
-        )
+    if eta is not None:
+        seconds, late = eta
+        at = datetime.datetime.fromtimestamp(st.now + seconds).strftime("%Y-%m-%d %H:%M")
+        lines.append(f"rate: {rate:,.1f} rows/s over the last {st.window_s / 60:g} min; ETA {_dur(seconds)} ({at})")
+        if late:
+            lines.append(
+                f"held up by {len(late)} running shard(s) that end after the rest ({_dur(left / rate)} at the run's "
+                "rate): "
+                + ", ".join(f"{s.id} ({_dur(t)} left at {s.rate:,.2f} rows/s)" for s, t in late[:5])
+                + (f" and {len(late) - 5} more" if len(late) > 5 else "")
+            )
     elif left:
         lines.append(f"rate: no rows in the last {st.window_s / 60:g} min")
     lines.append(

@@ -60,14 +60,16 @@ def test_the_scale_benchmark_measures_plan_dry_run_merge_and_simulates_the_three
     for row in ("| plan |", "| `snakemake -n` | 1,000 shards |", "| merge ratio |"):
         assert row in md
 
-    # the simulation: every mode ran all the work; workers start the fewest engines and finish first
+    # the simulation: every mode ran all the work; workers start the fewest engines and finish first,
+    # and sooner with the plan's guided tail
     sim = {r["mode"]: r for r in result["simulate"]["runs"]}
-    assert list(sim) == ["per_shard", "per_job", "workers"]
+    assert list(sim) == ["per_shard", "per_job", "workers", "workers + tail"]
     cluster = result["simulate"]["cluster"]
     assert sim["per_shard"]["engine_starts"] == cluster["shards"]
     assert sim["per_job"]["engine_starts"] == cluster["shards"] // cluster["per_job"]
-    assert sim["workers"]["engine_starts"] == cluster["gpus"]
+    assert sim["workers"]["engine_starts"] == cluster["gpus"] + sim["workers"]["failures"]  # a retry starts one
     for r in sim.values():
         assert 0 < r["efficiency"] <= 1 and r["billed_gpu_h"] >= result["simulate"]["work"]["total_gpu_h"]
     assert sim["workers"]["makespan_h"] < sim["per_job"]["makespan_h"] < sim["per_shard"]["makespan_h"]
+    assert sim["workers + tail"]["makespan_h"] < sim["workers"]["makespan_h"]
     assert "**Simulated**" in md

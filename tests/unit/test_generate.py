@@ -49,3 +49,25 @@ def test_a_worker_waiting_for_a_silent_claims_lease_stops_at_once_on_sigterm(tmp
         generate.run_worker(config, run_dir.manifest, 0, engine=Engine(llm=object()))
     timer.join()
     assert time.monotonic() - started < 5, "the wait ended with the signal, not with the lease"
+
+
+def test_a_worker_takes_shards_in_the_plans_work_order(tmp_path, monkeypatch):
+    import json
+
+    from shardgen.claims import ClaimBoard
+    from shardgen.plan import write_manifest
+    from shardgen.rundir import RunDir
+    from tests.conftest import base_config, make_rows, write_parquet
+
+    run_dir = RunDir(tmp_path / "results")
+    data = write_parquet(tmp_path / "in.parquet", make_rows(12))
+    config = base_config({"parquet": [str(data)]}, output={"dir": str(run_dir.root)},
+                         shards={"rows_per_shard": 4, "workers": 1})  # fmt: skip
+    manifest = write_manifest(config, run_dir.manifest)
+    for shard, tokens in zip(manifest["shards"], [10, 30, 20], strict=True):
+        shard["estimated_tokens"] = tokens
+    run_dir.manifest.write_text(json.dumps(manifest))
+    offered = []
+    monkeypatch.setattr(ClaimBoard, "next", lambda self, shard_ids, is_done: offered.append(list(shard_ids)))
+    generate.run_worker(config, run_dir.manifest, 0, engine=Engine(llm=object()))
+    assert offered == [["00001", "00002", "00000"]]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 
 import pytest
 
@@ -216,3 +218,108 @@ def test_token_balance_on_a_hugging_face_dataset_follows_the_arrow_sizes(tmp_pat
     # the first 1,024 rows hold most of the work: most shards fall within them
     assert len(shards) == 8 and shards[3]["stop"] <= 1024
     assert shards[-1]["stop"] == 4096
+
+
+# -- the order workers take shards in, and shards.tail: guided ------------------------------------------
+
+
+def _manifest(sizes, estimates=None):
+    shards, start = [], 0
+    for i, n in enumerate(sizes):
+        shards.append({"id": f"{i:05d}", "start": start, "stop": start + n, "segments": []})
+        if estimates is not None:
+            shards[-1]["estimated_tokens"] = estimates[i]
+        start += n
+    return Manifest({"version": 1, "total_rows": start, "shards": shards})
+
+
+def test_workers_take_the_largest_estimated_work_first_and_ties_in_plan_order():
+    from shardgen.plan import work_order
+
+    # the estimate decides, not the rows
+    assert work_order(_manifest([5, 5, 5, 5], [10, 40, 10, 40])) == ["00001", "00003", "00000", "00002"]
+    # no estimate: rows; equal shards keep plan order, the smaller remainder comes last
+    assert work_order(_manifest([3, 8, 8, 2, 8])) == ["00001", "00002", "00004", "00000", "00003"]
+    # an estimate on some shards only is not used
+    m = _manifest([3, 8], [100, 1])
+    del m.data["shards"][1]["estimated_tokens"]
+    assert work_order(m) == ["00001", "00000"]
+
+
+def test_the_guided_tail_cuts_the_end_of_the_plan_smaller_down_to_the_floor():
+    from shardgen.plan import TAIL_FLOOR, TAIL_FRACTION, RowCurve, guided_tail
+
+    total, per, workers = 100_000, 1000, 4
+    base = [*range(0, total, per), total]
+    cuts = guided_tail(base, RowCurve(total), workers)
+    assert cuts == guided_tail(list(base), RowCurve(total), workers)  # deterministic
+    # every row exactly once, in order
+    assert cuts[0] == 0 and cuts[-1] == total and all(a < b for a, b in itertools.pairwise(cuts))
+    sizes = [b - a for a, b in itertools.pairwise(cuts)]
+    # the plan's shards stay while one is at most an eighth of the rows left per worker: up to the one
+    # that starts 32,000 rows before the end
+    kept = [c for c in base if c <= total - per * workers / TAIL_FRACTION + per]
+    assert kept[-1] == 69_000 and cuts[: len(kept)] == kept and cuts[len(kept)] < kept[-1] + per
+    tail = sizes[len(kept) - 1 :]
+    # then each shard is an eighth of the rows left per worker, shrinking, down to the floor
+    assert tail[0] == math.ceil(31_000 / (workers * 8)) == 969 and tail[1] == math.ceil((31_000 - 969) / 32)
+    assert all(a >= b for a, b in itertools.pairwise(tail[:-1]))
+    floor = TAIL_FLOOR * per
+    assert min(tail[:-1]) == floor and tail.count(floor) > 10 and floor / 2 <= tail[-1] <= 1.5 * floor
+    assert len(cuts) - len(base) > 30  # more, smaller shards at the end
+
+
+def test_the_guided_tail_follows_the_estimated_work():
+    from shardgen.plan import BYTES_PER_TOKEN, TAIL_FLOOR, WorkCurve, guided_tail, shard_works
+
+    # rows 6,000 to 7,999 take nine times the work of the rows before them: 24,000 in all
+    curve = WorkCurve([(6000, 0), (2000, 8 * BYTES_PER_TOKEN * 2000)], 1, 8000)
+    base = [*range(0, 8000, 500), 8000]
+    cuts = guided_tail(base, curve, 2)
+    works = shard_works(curve, cuts)
+    assert cuts[-1] == 8000 and all(a < b for a, b in itertools.pairwise(cuts))
+    # the light shards stay; the first heavy one (4,500) is more than an eighth of the 18,000 left per
+    # worker: from there each shard is 18,000 / 16, then less, by work, not rows
+    assert cuts[:13] == base[:13] and works[12] == pytest.approx(1125, abs=9)
+    tail = works[12:]
+    assert all(a >= b for a, b in itertools.pairwise(tail))
+    floor = TAIL_FLOOR * 24000 / 16
+    assert min(tail[:-1]) == pytest.approx(floor, abs=9) and floor / 2 <= tail[-1] <= 1.5 * floor
+
+
+def test_a_guided_tail_shard_has_no_more_rows_than_the_plans_largest():
+    from shardgen.plan import BYTES_PER_TOKEN, WorkCurve, guided_tail
+
+    # one heavy stretch starts the tail; the light rows after it would make tail shards of many rows
+    curve = WorkCurve([(1000, 0), (500, 99 * BYTES_PER_TOKEN * 500), (6500, 0)], 1, 8000)
+    base = [*range(0, 8000, 500), 8000]
+    cuts = guided_tail(base, curve, 1)
+    assert cuts[:3] == [0, 500, 1000] and len(cuts) > len(base)
+    assert max(b - a for a, b in itertools.pairwise(cuts)) == 500 and cuts[-1] == 8000
+
+
+def test_a_guided_tail_plans_more_shards_at_the_end_and_says_so_in_the_manifest(parquet_files):
+    inputs = {"parquet": [str(f) for f in parquet_files]}
+    plain = build_manifest(base_config(inputs, shards={"rows_per_shard": 2}))
+    guided = build_manifest(base_config(inputs, shards={"rows_per_shard": 2, "workers": 2, "tail": "guided"}))
+    assert "tail" not in plain and guided["tail"] == {"kind": "guided", "workers": 2}
+    rows = [(s["start"], s["stop"]) for s in guided["shards"]]
+    assert rows[0] == (0, 2) and rows[-1][1] == 30 and len(rows) > len(plain["shards"])
+    assert sum(b - a for a, b in rows) == 30 and all(r[1] == n[0] for r, n in itertools.pairwise(rows))
+    assert [s["id"] for s in guided["shards"]] == [f"{i:05d}" for i in range(len(rows))]
+    Manifest(guided)  # readable as any plan
+
+
+def test_without_a_tail_the_manifest_is_as_before(parquet_files):
+    """Plans of configs without shards.tail keep their shards, keys and order (their runs' fingerprints)."""
+    m = build_manifest(base_config({"parquet": [str(f) for f in parquet_files]}, shards={"rows_per_shard": 8}))
+    assert list(m) == ["version", "source", "total_rows", "rows_per_shard", "balance", "shards"]
+    assert [(s["start"], s["stop"]) for s in m["shards"]] == [(0, 8), (8, 16), (16, 24), (24, 30)]
+    assert all(list(s) == ["id", "start", "stop", "segments"] for s in m["shards"])
+
+
+def test_a_guided_tail_needs_workers(parquet_files):
+    from shardgen.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="needs shards.workers"):
+        base_config({"parquet": [str(f) for f in parquet_files]}, shards={"tail": "guided"})

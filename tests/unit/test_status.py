@@ -4,6 +4,9 @@ import datetime
 import json
 import time
 from dataclasses import replace
+from pathlib import Path
+
+import pytest
 
 from shardgen.cli import main
 from shardgen.records import AttemptEnd, AttemptStart, Progress
@@ -123,3 +126,43 @@ def test_status_reads_the_attempts_the_job_writes_and_any_failure_an_error_decla
     assert [s.state for s in st.shards] == ["failed", "failed", "pending", "running"]
     assert st.shards[0].error == "failed: RuntimeError: boom"
     assert st.shards[1].error == "preempted_for_good: Preempted: gone"
+
+
+def _running(id, rows, done, rate, now):
+    from shardgen.status import ShardState
+
+    started = now - (done / rate if rate else 0)
+    span = (started, now, done) if rate else None
+    return ShardState(id, rows, "running", done, 0, rate, span)
+
+
+def test_the_eta_is_the_rows_left_at_the_runs_rate_unless_a_running_shard_ends_later():
+    from shardgen.status import RunStatus, ShardState
+
+    now = time.time()
+    # four shards of 1,000 rows at 1 row/s each over the last 100 s, and 2,000 rows pending:
+    # 5,600 rows left at 4 rows/s take 1,400 s
+    shards = [_running(f"{i:05d}", 1000, 100, 1.0, now) for i in range(4)]
+    st = RunStatus(Path("/run"), [*shards, ShardState("00004", 2000)], now, 100.0, {})
+    assert st.eta() == (pytest.approx(1400), [])
+    text = format_status(st)
+    assert "ETA 23 min" in text and "held up by" not in text
+    # one shard runs at a tenth of the rate: its 900 rows left take 9,000 s at its own rate
+    shards[2] = _running("00002", 1000, 100, 0.1, now)
+    shards[2].span = (now - 100, now, 10)
+    st = RunStatus(Path("/run"), [*shards, ShardState("00004", 2000)], now, 100.0, {})
+    seconds, late = st.eta()
+    assert seconds == pytest.approx(9000) and [(s.id, round(t)) for s, t in late] == [("00002", 9000)]
+    text = format_status(st)
+    assert "ETA 2.5 h" in text
+    # the rest: 5,600 rows at 3.1 rows/s
+    assert "held up by 1 running shard(s) that end after the rest (30 min at the run's rate)" in text
+    assert "00002 (2.5 h left at 0.10 rows/s)" in text
+
+
+def test_no_eta_without_a_rate():
+    from shardgen.status import RunStatus, ShardState
+
+    now = time.time()
+    st = RunStatus(Path("/run"), [ShardState("00000", 10), _running("00001", 10, 0, None, now)], now, 600.0, {})
+    assert st.eta() is None and "ETA" not in format_status(st)
