@@ -21,6 +21,8 @@ BIN = Path(sys.executable).parent
 # The longest a workflow run of the suite may take before it is taken for hung: its processes' stacks
 # are dumped and it is killed. The slowest run here (the two-node test's) takes under 4 minutes.
 RUN_BOUND_S = 480.0
+# snakemake, polling Slurm every few seconds (snakemake_polled.py says why)
+SNAKEMAKE = [sys.executable, str(Path(__file__).with_name("snakemake_polled.py"))]
 
 
 def stacks(pid: int, workdir: Path | None = None) -> str:
@@ -119,7 +121,7 @@ def workflow_config(inputs: dict[str, Any], **sections: Any) -> dict[str, Any]:
 def snakemake_command(workdir: Path, configfile: Path, *options: str) -> tuple[list[str], dict[str, str]]:
     """``snakemake`` on the project's Snakefile in ``workdir``, and an environment with the venv's tools on PATH."""
     cmd = [
-        str(BIN / "snakemake"),
+        *SNAKEMAKE,
         "--snakefile",
         str(ROOT / "Snakefile"),
         "--directory",
