@@ -49,7 +49,9 @@ format: setup
 	$(RUN) ruff check --fix .
 	$(RUN) snakefmt Snakefile workflow/rules
 
-# The whole suite: it fails unless engine and Slurm tests ran and passed.
+# The whole suite: it fails unless engine and Slurm tests ran and passed. It runs vLLM's CPU
+# build (a machine with Slurm would otherwise get the CUDA build: scripts/setup-venv.sh).
+test: export SHARDGEN_VLLM ?= cpu
 test: setup slurm lint
 	$(RUN) pytest --require-markers=engine,slurm $(PYTEST_ARGS)
 

