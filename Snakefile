@@ -5,8 +5,9 @@ import sys
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
 
+from shardgen import cluster, trust
 from shardgen import config as shardgen_config
-from shardgen import trust
+from shardgen.errors import ConfigError
 from shardgen.profile import ProfileError, unset_resources_message
 
 min_version("9.0")
@@ -38,6 +39,11 @@ for warning in shardgen_config.warnings(config):
     logger.warning(f"shardgen: warning: {warning}")
 # The typed view of the validated config, for the package's functions.
 RUN = shardgen_config.RunConfig.from_dict(config)
+_container = cluster.container_multinode_problem(
+    RUN, workflow.deployment_settings.deployment_method
+)
+if _container:
+    raise ConfigError(_container)
 
 
 include: "workflow/rules/common.smk"
@@ -70,3 +76,17 @@ onsuccess:
 
 onerror:
     end_run()
+
+
+# Used as a module (`module shardgen: ...` and `use rule * from shardgen` in
+# another Snakefile), Snakemake keeps only the main Snakefile's handlers
+# (snakemake/workflow.py: Workflow.onstart registers a module's only in its
+# namespace): the run would hold no lock on its output directory, stop no job
+# after an error and print no summary. So they are registered here, ahead of
+# those the main Snakefile registered before its module statement.
+if not workflow.modifier.is_main_snakefile():
+    workflow._onstart = chain_handler(start_run, workflow._onstart)
+    workflow._onsuccess = chain_handler(
+        lambda: (end_run(), print_summary()), workflow._onsuccess
+    )
+    workflow._onerror = chain_handler(end_run, workflow._onerror)

@@ -414,6 +414,25 @@ def multinode_options(run_config, gpu_model: str | None) -> list[str]:
     return [f"--gpus-per-node={gpus}", "--ntasks-per-node=1"]
 
 
+def container_multinode_problem(run_config, deployment_methods: Iterable[object]) -> str | None:
+    """Why a model across nodes cannot run in the run's container, or None.
+
+    A job over ``resources.nodes`` nodes starts the engine's workers on its
+    other nodes with ``srun`` from inside the job (``multinode.py``), and asks
+    ``scontrol`` for its nodes; in the container (the vLLM image) there is no
+    Slurm client, nor the cluster's munge socket it needs."""
+    apptainer = any(getattr(m, "name", str(m)).lower() == "apptainer" for m in deployment_methods)
+    if run_config.resources.nodes > 1 and run_config.software.container and apptainer:
+        return (
+            f"resources.nodes is {run_config.resources.nodes} and generate_shard would run in software.container "
+            "(--software-deployment-method apptainer): a job across nodes starts vLLM's workers on its other "
+            "nodes with srun from inside the job, and the container has no Slurm client (srun, scontrol) nor "
+            "the cluster's munge socket. Run a model across nodes from the venv of `make setup` or the conda "
+            "environment (docs/deployment.md), or on one node"
+        )
+    return None
+
+
 def generate_request(run_config, resource_settings, rule: str, runtime_min: float) -> Request:
     """The request of the run's generate jobs: the rule's own resources (from the run config), with
     what the profile sets (``default-resources``, and ``set-resources`` for ``rule``) over them."""

@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardgen.installed import slurm_plugin_problem
-from tests.conftest import TEST_MODEL_CFG, make_rows, write_parquet
+from shardgen.rundir import RunDir
+from tests.conftest import ROOT, TEST_MODEL_CFG, make_rows, write_parquet
 from tests.integration.workflow import Background, dry_run_jobs, run_workflow, workflow_config
 
 pytestmark = pytest.mark.engine
@@ -174,7 +175,8 @@ def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_tok
     """Shell metacharacters in values, a column named like a path, an output
     directory with a space, and a token in the environment: the run labels
     every row (two shards in one job), runs nothing it was not asked to, and
-    the token appears nowhere."""
+    the token appears nowhere. It runs shardgen as a Snakemake module of the
+    user's own Snakefile, whose handlers then still run (the lock, the summary)."""
     marker = tmp_path.parent / f"{tmp_path.name}-pwned"
     token = "hf_ShardgenTestSecret0123456789abcdef"
     monkeypatch.setenv("HF_TOKEN", token)
@@ -196,9 +198,16 @@ def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_tok
         sampling={"temperature": 0.0, "max_tokens": 8, "structured_outputs": {"choice": ["positive", "negative"]}},
         output={"dir": "out dir; echo pwned", "format": "jsonl", "choice_probs": True},
     )
-    run_workflow(tmp_path, config, "local")
+    snakefile = tmp_path / "Snakefile"
+    snakefile.write_text(
+        f'module shardgen:\n    snakefile:\n        "{ROOT / "Snakefile"}"\n    config:\n        config\n\n\n'
+        "use rule * from shardgen\n"
+    )
+    r = run_workflow(tmp_path, config, "local", snakefile=snakefile)
     assert not marker.exists(), "no config or row value ran as a shell command"
     out = tmp_path / "out dir; echo pwned"
+    assert RunDir(out).lock.exists(), "the module's onstart took the run's lock"
+    assert f"output: {out.name}/output.jsonl" in r.stdout, "the module's onsuccess printed the summary"
     lines = [json.loads(line) for line in (out / "output.jsonl").read_text().splitlines()]
     assert [r["id"] for r in lines] == [r["id"] for r in rows]
     assert [r["../../evil"] for r in lines] == ["a", "b", "c", "d"], "a column named like a path is just a column"

@@ -118,12 +118,15 @@ def workflow_config(inputs: dict[str, Any], **sections: Any) -> dict[str, Any]:
     return config
 
 
-def snakemake_command(workdir: Path, configfile: Path, *options: str) -> tuple[list[str], dict[str, str]]:
-    """``snakemake`` on the project's Snakefile in ``workdir``, and an environment with the venv's tools on PATH."""
+def snakemake_command(
+    workdir: Path, configfile: Path, *options: str, snakefile: Path = ROOT / "Snakefile"
+) -> tuple[list[str], dict[str, str]]:
+    """``snakemake`` on the project's Snakefile (or ``snakefile``) in ``workdir``, and an environment with
+    the venv's tools on PATH."""
     cmd = [
         *SNAKEMAKE,
         "--snakefile",
-        str(ROOT / "Snakefile"),
+        str(snakefile),
         "--directory",
         str(workdir),
         *options,
@@ -133,7 +136,9 @@ def snakemake_command(workdir: Path, configfile: Path, *options: str) -> tuple[l
     return cmd, dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
 
 
-def _command(workdir: Path, config: dict[str, Any], profile: str, args: tuple[str, ...]) -> tuple[list[str], dict]:
+def _command(
+    workdir: Path, config: dict[str, Any], profile: str, args: tuple[str, ...], snakefile: Path = ROOT / "Snakefile"
+) -> tuple[list[str], dict]:
     configfile = workdir / "config.yaml"
     configfile.write_text(yaml.safe_dump(config))
     cmd, env = snakemake_command(
@@ -143,6 +148,7 @@ def _command(workdir: Path, config: dict[str, Any], profile: str, args: tuple[st
         str(ROOT / "profiles" / profile),
         # the test cluster's partition, for the profile's SET_ME placeholder
         *(["--default-resources", "slurm_partition=debug"] if profile == "slurm" else []),
+        snakefile=snakefile,
     )
     return cmd + list(args), env
 
@@ -153,10 +159,16 @@ def _failure(workdir: Path, rc: int, stdout: str, stderr: str) -> AssertionError
 
 
 def run_workflow(
-    workdir: Path, config: dict[str, Any], profile: str, *args: str, check: bool = True, bound: float = RUN_BOUND_S
+    workdir: Path,
+    config: dict[str, Any],
+    profile: str,
+    *args: str,
+    check: bool = True,
+    bound: float = RUN_BOUND_S,
+    snakefile: Path = ROOT / "Snakefile",
 ) -> subprocess.CompletedProcess:
     """``snakemake --profile profiles/<profile> --configfile <config>`` in ``workdir``, for at most ``bound`` s."""
-    cmd, env = _command(workdir, config, profile, args)
+    cmd, env = _command(workdir, config, profile, args, snakefile)
     r = run_bounded(cmd, bound, workdir, cwd=workdir, env=env)
     if check and r.returncode != 0:
         raise _failure(workdir, r.returncode, r.stdout, r.stderr)

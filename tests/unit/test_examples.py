@@ -44,3 +44,30 @@ def test_the_cpu_demos_settings_on_a_gpu_are_a_warning_naming_each_and_the_examp
         assert key in warned
     assert "config/examples/" in warned
     assert (ROOT / "config" / "config.yaml").read_text().startswith("# The CPU demo's config")
+
+
+def test_the_two_node_example_in_a_container_is_refused_while_the_snakefile_is_parsed(tmp_path):
+    """srun, scontrol and munge are not in the vLLM image: a model across nodes in the container is
+    refused before anything runs; on one node, or outside the container, the same config plans."""
+    import subprocess
+
+    import yaml
+
+    from tests.integration.workflow import snakemake_command
+
+    config = yaml.safe_load((EXAMPLES / "two-node.yaml").read_text())
+    config["software"] = {"container": "/images/shardgen-vllm.sif"}
+    configfile = tmp_path / "run.yaml"
+
+    def dry_run(config: dict, *options: str) -> subprocess.CompletedProcess:
+        configfile.write_text(yaml.safe_dump(config))
+        cmd, env = snakemake_command(tmp_path, configfile, "-n", "--cores", "1", *options)
+        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+    refused = dry_run(config, "--software-deployment-method", "apptainer")
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "has no Slurm client (srun, scontrol)" in said, said
+    assert "Building DAG" not in said
+    assert dry_run(config).returncode == 0, "without apptainer the container is not used"
+    one_node = {**config, "resources": {**config["resources"], "nodes": 1}}
+    assert dry_run(one_node, "--software-deployment-method", "apptainer").returncode == 0

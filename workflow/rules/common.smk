@@ -202,3 +202,13 @@ def print_summary():
     if stats.exists():
         print(f"\n{summary_text(json.loads(stats.read_text()))}")
         print(f"\noutput: {MERGED}\nstats:  {stats}")
+
+
+def chain_handler(ours, theirs):
+    """A workflow handler that runs ``ours`` (no arguments), then ``theirs`` (Snakemake's ``log``)."""
+
+    def handler(log):
+        ours()
+        theirs(log)
+
+    return handler
