@@ -19,13 +19,16 @@
 #                  sizes: the same text for every row
 #      labels      choice labels with probabilities, and a JSON schema
 #      slurm       the Slurm profile (with SLURM_PARTITION set and sbatch on PATH)
+#      example-*   each config of config/examples/ that fits one GPU, as it is, on a
+#                  small made-up input (bench/gpu_smoke_examples.py), its model from the hub
 # 4. runs bench/throughput.py and bench/feed.py at a size that suits a GPU.
 # Everything lands in bench/results/gpu-<date>/ (commit it); a second run on
 # the same day replaces it. Exits non-zero on the first failure.
 #
 # Environment: VENV (default .venv), ROWS (default 512), GPU_MEMORY_UTILIZATION
 # (default 0.8), SHARDGEN_NVFP4_MODEL (an NVFP4 checkpoint directory or hub
-# id), SLURM_PARTITION (a GPU partition for the slurm case).
+# id), SLURM_PARTITION (a GPU partition for the slurm case), EXAMPLES (the
+# examples to run, by name, or none; default: every one that fits one GPU).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -202,6 +205,20 @@ EOF
 else
   step "slurm: skipped (set SLURM_PARTITION on a machine with sbatch)"
 fi
+
+# The examples a researcher copies (config/examples/) that fit one GPU, each as it is, on a small
+# made-up input; their models come from the hub (a gated one needs HF_TOKEN). EXAMPLES=none skips them.
+for example in ${EXAMPLES:-$(python bench/gpu_smoke_examples.py list)}; do
+  [ "$example" = none ] && break
+  dir="$OUT/example-$example"
+  step "example $example: the workflow"
+  python bench/gpu_smoke_examples.py prepare "$example" "$dir" "$ROWS" || fail "example $example: no config"
+  snakemake --snakefile "$ROOT/Snakefile" --directory "$dir" --configfile "$dir/config.yaml" \
+    --profile "$ROOT/profiles/local" >"$dir/snakemake.log" 2>&1 \
+    || { tail -n 40 "$dir/snakemake.log" >&2; fail "example $example: the workflow failed; logs: $dir"; }
+  python bench/gpu_smoke_examples.py check "$example" "$dir/results" "$ROWS" | tee "$dir/checks.txt" \
+    || fail "example $example: the output is wrong (see $dir/checks.txt)"
+done
 
 step "throughput benchmark (bench/throughput.py)"
 python bench/throughput.py --rows 2048 --max-tokens 128 --out "$OUT/throughput" >"$OUT/throughput.log" 2>&1 \

@@ -71,3 +71,22 @@ def test_the_two_node_example_in_a_container_is_refused_while_the_snakefile_is_p
     assert dry_run(config).returncode == 0, "without apptainer the container is not used"
     one_node = {**config, "resources": {**config["resources"], "nodes": 1}}
     assert dry_run(one_node, "--software-deployment-method", "apptainer").returncode == 0
+
+
+def test_the_gpu_smoke_script_runs_each_example_that_fits_one_gpu_on_an_input_it_can_plan(tmp_path):
+    import subprocess
+    import sys
+
+    from shardgen.plan import build_manifest
+
+    script = [sys.executable, str(ROOT / "bench" / "gpu_smoke_examples.py")]
+    listed = subprocess.run([*script, "list"], capture_output=True, text=True, check=True).stdout.split()
+    assert listed == sorted(n for n, (_, gpus, nodes) in EXPECTED.items() if (gpus, nodes) == (1, 1))
+    assert "gpu_smoke_examples.py list" in (ROOT / "bench" / "gpu_smoke.sh").read_text()
+    for name in listed:
+        subprocess.run([*script, "prepare", name, str(tmp_path / name), "12"], check=True)
+        config = RunConfig.load(tmp_path / name / "config.yaml")
+        original = RunConfig.load(EXAMPLES / f"{name}.yaml")
+        assert (config.task, config.prompt, config.sampling) == (original.task, original.prompt, original.sampling)
+        manifest = build_manifest(config)
+        assert manifest["total_rows"] == 12 and len(manifest["shards"]) == 4, name
