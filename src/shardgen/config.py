@@ -475,6 +475,13 @@ class SoftwareConfig:
 
 
 @dataclass(frozen=True)
+class CostConfig:
+    gpu_hour: float | None = None
+    currency: str = "USD"
+    compare: Mapping[str, float] | None = None
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     rows: int = 1000
     seconds: float = 300
@@ -601,6 +608,7 @@ class RunConfig:
     output: OutputConfig
     resources: ResourcesConfig
     software: SoftwareConfig
+    cost: CostConfig
     checkpoint: CheckpointConfig
     errors: ErrorsConfig
     preflight: PreflightConfig
@@ -622,6 +630,7 @@ class RunConfig:
             output=_section(OutputConfig, raw["output"]),
             resources=_section(ResourcesConfig, raw["resources"]),
             software=_section(SoftwareConfig, raw["software"]),
+            cost=_section(CostConfig, raw["cost"]),
             checkpoint=_section(CheckpointConfig, raw["checkpoint"]),
             errors=_section(ErrorsConfig, raw["errors"]),
             preflight=_section(PreflightConfig, raw["preflight"]),
@@ -670,6 +679,7 @@ SECTIONS = {
     "output": OutputConfig,
     "resources": ResourcesConfig,
     "software": SoftwareConfig,
+    "cost": CostConfig,
     "checkpoint": CheckpointConfig,
     "errors": ErrorsConfig,
     "preflight": PreflightConfig,

@@ -21,7 +21,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardgen import __version__, formats, heads
+from shardgen import __version__, cost, formats, heads
 from shardgen.config import RunConfig, published_sampling
 from shardgen.errors import MergeError
 from shardgen.io import Dir, atomic_write_text
@@ -218,6 +218,9 @@ def merge(
             d.remove_leftovers(name)
     formats.write(config.output.format, output, _batches(manifest, run_dir, checked), empty, prov)
     stats = run.result()
+    stats["cost"] = cost.run_cost(stats, config.cost)
+    for shard in stats["shards"]:
+        shard["cost"] = cost.shard_cost(shard, config.cost)
     stats["config_fingerprint"] = config_fp
     stats["provenance"] = prov
     stats["output"] = {"path": str(output), "format": config.output.format}

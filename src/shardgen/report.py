@@ -270,6 +270,38 @@ def totals(stats: dict[str, Any], shards: list[ShardFigures]) -> list[tuple[str,
         rows.append(("speculative decoding", f"{100 * spec['acceptance_rate']:.1f}% of draft tokens accepted"))
     if reasons:
         rows.append(("errors by reason", ", ".join(f"{k}: {v:,}" for k, v in sorted(reasons.items()))))
+    return rows + _cost_rows(stats.get("cost"))
+
+
+def _cost_rows(c: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The cost (``shardgen.cost.run_cost``): the total and what it includes, per token and row, and
+    the hosted batch price of the same tokens."""
+    if not isinstance(c, dict) or _num(c.get("total")) is None:
+        return []
+    cur = str(c.get("currency"))
+
+    def money(v: Any, spec: str = ",.2f") -> str:
+        return _fmt(_num(v), spec, f" {cur}")
+
+    rows = [
+        ("cost", f"{money(c['total'])} ({_fmt(_num(c.get('billed_gpu_hours')), ',.4f')} GPU-hours billed at "
+                 f"{money(c.get('gpu_hour'), ',g')} each: {c.get('includes')})"),
+        ("cost per million input / output tokens",
+         f"{money(c.get('per_million_input_tokens'), ',.4f')} / {money(c.get('per_million_output_tokens'), ',.4f')}"),
+        ("cost per thousand rows", money(c.get("per_thousand_rows"), ",.4f")),
+    ]  # fmt: skip
+    if _num(c.get("attempts_unmeasured")):
+        rows.append(
+            ("attempts without a measured time", f"{c['attempts_unmeasured']:,} (killed outright; not in the cost)")
+        )
+    compare = c.get("compare")
+    if isinstance(compare, dict):
+        rows.append((
+            "the same tokens at the hosted batch price",
+            f"{money(compare.get('hosted_total'))} ({money(compare.get('input_per_mtok'), ',g')} per million input, "
+            f"{money(compare.get('output_per_mtok'), ',g')} per million output tokens); this run costs "
+            f"{_fmt(_num(compare.get('ratio')), ',.2f', '×')} that",
+        ))  # fmt: skip
     return rows
 
 

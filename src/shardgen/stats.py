@@ -16,6 +16,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from shardgen import cost
+
 BUCKET_RATIO = 1.05  # bucket width: values within a bucket differ by at most 5%
 BUCKET_MIN = 1e-4  # seconds; smaller values share the first bucket
 _LOG = math.log(BUCKET_RATIO)
@@ -284,11 +286,17 @@ class RunTotals:
         self.gpu_models: dict[str, int] = {}
         self.shards: list[dict[str, Any]] = []
         self.task = "generate"
+        self.billed_gpu_hours = 0.0  # every attempt's (shardgen.cost)
+        self.attempts_unmeasured = 0
 
     def add(self, s: dict[str, Any]) -> None:
         self.task = s.get("task", "generate")
         for k in SUMMED:
             self.totals[k] += s.get(k) or 0
+        earlier, unmeasured = cost.earlier_attempts(s)
+        billed = (s.get("gpu_hours") or 0) + earlier
+        self.billed_gpu_hours += billed
+        self.attempts_unmeasured += unmeasured
         for k in HISTOGRAMS:
             self.hists[k] += LogHistogram.from_json(s.get("histograms", {}).get(k, {}))
         for reason, n in s.get("error_reasons", {}).items():
@@ -301,7 +309,7 @@ class RunTotals:
         self.peak_rss = max(self.peak_rss, s.get("peak_rss_mib") or 0)
         gpu = s.get("gpu_model") or "none (vLLM's CPU build)"
         self.gpu_models[gpu] = self.gpu_models.get(gpu, 0) + 1
-        self.shards.append({k: s.get(k) for k in SHARD_SUMMARY_KEYS})
+        self.shards.append({**{k: s.get(k) for k in SHARD_SUMMARY_KEYS}, "billed_gpu_hours": billed})
 
     def result(self) -> dict[str, Any]:
         totals = dict(self.totals)
@@ -313,6 +321,8 @@ class RunTotals:
             _rate(totals["attempt_generated_tokens"], totals["gpu_hours"]) if generates else None
         )
         totals["rows_per_gpu_hour"] = _rate(totals["attempt_requests"], totals["gpu_hours"])
+        totals["billed_gpu_hours"] = self.billed_gpu_hours
+        totals["attempts_unmeasured"] = self.attempts_unmeasured
         totals["spec_decode"] = (
             {**self.spec, "acceptance_rate": _rate(self.spec["accepted_tokens"], self.spec["draft_tokens"])}
             if self.spec_seen
@@ -379,7 +389,12 @@ def summary_text(stats: dict[str, Any]) -> str:
     spec = stats.get("spec_decode")
     if spec:
         lines.append(f"speculation     {_fmt(100 * (spec['acceptance_rate'] or 0))}% of draft tokens accepted")
-    return "\n".join(lines)
+    return "\n".join(lines + _cost_lines(stats))
+
+
+def _cost_lines(stats: dict[str, Any]) -> list[str]:
+    line = cost.summary_line(stats.get("cost"))
+    return [line] if line else []
 
 
 def _pooling_summary_text(stats: dict[str, Any], hit: float | None) -> str:
@@ -395,4 +410,5 @@ def _pooling_summary_text(stats: dict[str, Any], hit: float | None) -> str:
         f"{_fmt(stats['latency_p90_s'], '.3f')} s",
         f"prefix cache    {_fmt(hit if hit is None else 100 * hit)}% of prompt tokens",
         f"GPU-hours       {stats['gpu_hours']:.4f}  ({_fmt(stats.get('rows_per_gpu_hour'), '.0f')} rows per GPU-hour)",
+        *_cost_lines(stats),
     ])  # fmt: skip

@@ -139,9 +139,10 @@ def test_local_profile_runs_a_dataset_saved_with_save_to_disk_into_a_datasets_di
     os.utime(arrow, ns=(arrow.stat().st_atime_ns, arrow.stat().st_mtime_ns + 10**9))
     assert "plan_shards" in dry_run_jobs(tmp_path, config)
     os.utime(arrow, ns=(arrow.stat().st_atime_ns, arrow.stat().st_mtime_ns - 10**9))
-    # ...and a change of output format merges again and generates nothing
-    jobs = dry_run_jobs(tmp_path, {**config, "output": {"format": "jsonl"}})
-    assert "merge_shards" in jobs and "generate_shard" not in jobs and "plan_shards" not in jobs, jobs
+    # ...and a change of output format, or of the price of a GPU-hour, merges again and generates nothing
+    for key, value in [("output", {"format": "jsonl"}), ("cost", {"gpu_hour": 2.5})]:
+        jobs = dry_run_jobs(tmp_path, {**config, key: value})
+        assert "merge_shards" in jobs and "generate_shard" not in jobs and "plan_shards" not in jobs, (key, jobs)
     # a change of sampling reruns every shard: now three seeded samples per row
     config["sampling"] = {"temperature": 0.8, "max_tokens": 5, "n": 3, "seed": 7}
     run_workflow(tmp_path, config, "local")

@@ -18,6 +18,8 @@ rule merge_shards:
         config=run_config,
         # read by a pooling task's merge, which has it among its inputs (all_shard_outputs)
         model_record=RUN_DIR.model_record,
+        # not read from here (the config file has it): a changed price merges again, with the new cost
+        cost=RUN.raw["cost"],
     shell:
         "shardgen merge --config {params.config:q} --manifest {input.manifest:q}"
         " --output {output.dataset:q} --stats {output.stats:q} --model-record {params.model_record:q} > {log:q} 2>&1"
