@@ -142,6 +142,15 @@ def check_consistency(config: dict[str, Any]) -> None:
     model, sampling, prompt = config["model"], config.get("sampling", {}), config["prompt"]
     output = config["output"]
     check_task(config)
+    if output.get("format") == "openai_batch":
+        from shardgen.openai_batch import TASKS
+
+        if config["task"] not in TASKS:
+            raise ConfigError(f"output.format openai_batch is for task {' and '.join(TASKS)}, not {config['task']}")
+        if output.get("push_to_hub"):
+            raise ConfigError(
+                "output.push_to_hub needs a dataset: output.format parquet, jsonl or hf, not openai_batch"
+            )
     check_lora(config)
     max_len = model.get("max_model_len")
     max_tokens = sampling.get("max_tokens")

@@ -5,7 +5,9 @@
 - ``jsonl``: ``<dir>/output.jsonl``, one JSON record per line, its provenance
   beside it in ``output.jsonl.provenance.json``;
 - ``hf``: ``<dir>/output/``, a directory ``datasets.load_from_disk`` reads,
-  its provenance in the dataset's description.
+  its provenance in the dataset's description;
+- ``openai_batch``: ``<dir>/openai/``, OpenAI's Batch API result and error
+  files and the provenance beside them (``shardgen.openai_batch``).
 
 Writers take a stream of ``(schema, record batch)`` pairs, so memory stays
 flat however large the output is; readers give a few columns batch by batch
@@ -27,10 +29,11 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from shardgen import openai_batch
 from shardgen.errors import ShardgenError
 from shardgen.io import atomic_write, atomic_write_text, replace_dir
 
-FORMATS = ("parquet", "jsonl", "hf")
+FORMATS = ("parquet", "jsonl", "hf", "openai_batch")
 # Row groups of a merged Parquet file: large enough that a 100M-row output
 # has a footer of a few thousand entries, small enough to buffer.
 ROW_GROUP_ROWS = 128 * 1024
@@ -45,21 +48,32 @@ PROVENANCE_SUFFIX = ".provenance.json"
 
 
 def format_of(path: str | Path) -> str:
-    """The format of a merged output, from its path (a directory is ``hf``)."""
+    """The format of a merged output, from its path (a directory is ``hf``, or ``openai_batch`` when it
+    holds OpenAI's result file)."""
     p = Path(path)
-    return "hf" if p.is_dir() else "jsonl" if p.suffix == ".jsonl" else "parquet"
+    if p.is_dir():
+        return "openai_batch" if (p / openai_batch.OUTPUT).exists() else "hf"
+    return "jsonl" if p.suffix == ".jsonl" else "parquet"
 
 
 # -- Writing ----------------------------------------------------------------------------------------
 
 
-def write(fmt: str, path: str | Path, batches: Batches, empty: Callable[[], pa.Schema], provenance: dict) -> None:
+def write(
+    fmt: str,
+    path: str | Path,
+    batches: Batches,
+    empty: Callable[[], pa.Schema],
+    provenance: dict,
+    id_column: str | None = None,
+) -> None:
     """Write ``batches`` as ``fmt`` at ``path``, atomically, with ``provenance``.
 
     Args:
         empty: the schema of an output without rows (an empty input).
         provenance: where the rows came from; its ``config_fingerprint`` also
             goes into the Parquet metadata.
+        id_column: ``input.id_column``, the requests' ``custom_id`` of ``openai_batch``.
     """
     from shardgen.outputs import CONFIG_KEY, PROVENANCE_KEY
 
@@ -79,6 +93,8 @@ def write(fmt: str, path: str | Path, batches: Batches, empty: Callable[[], pa.S
         atomic_write_text(f"{path}{PROVENANCE_SUFFIX}", text)
     elif fmt == "hf":
         _write_hf(Path(path), batches, empty, meta, provenance)
+    elif fmt == "openai_batch":
+        _write_openai_batch(Path(path), batches, provenance, id_column)
     else:
         raise ValueError(f"unknown output format {fmt!r}")
 
@@ -142,6 +158,33 @@ def _write_hf(path: Path, batches: Batches, empty: Callable[[], pa.Schema], meta
         replace_dir(Path(f"{tmp}/out"), path)
 
 
+def _write_openai_batch(path: Path, batches: Batches, provenance: dict, id_column: str | None) -> None:
+    """OpenAI's result and error files, and the provenance naming their digests, in a directory
+    written beside ``path`` and swapped into place."""
+    task, model = provenance["task"], provenance["model"]
+    created = int(datetime.datetime.fromisoformat(provenance["created"]).timestamp())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
+        out = Path(tmp) / "out"
+        out.mkdir()
+        digests = {openai_batch.OUTPUT: hashlib.sha256(), openai_batch.ERRORS: hashlib.sha256()}
+        with open(out / openai_batch.OUTPUT, "wb") as ok, open(out / openai_batch.ERRORS, "wb") as failed:
+            rows = (row for _, batch in batches for row in batch.to_pylist())
+            for request in openai_batch.requests(rows):
+                line = openai_batch.result_line(request, task, model, created, id_column)
+                name, f = (
+                    (openai_batch.OUTPUT, ok)
+                    if line["response"]["status_code"] == 200
+                    else (openai_batch.ERRORS, failed)
+                )
+                data = (json.dumps(line, ensure_ascii=False, default=_json_default) + "\n").encode()
+                f.write(data)
+                digests[name].update(data)
+        sums = {f"{name}_sha256": d.hexdigest() for name, d in digests.items()}
+        (out / openai_batch.PROVENANCE).write_text(json.dumps({**provenance, **sums}, indent=1) + "\n")
+        replace_dir(out, path)
+
+
 # -- Reading back -----------------------------------------------------------------------------------
 
 
@@ -152,6 +195,8 @@ def load(path: str | Path):
     fmt = format_of(path)
     if fmt == "hf":
         return datasets.load_from_disk(str(path))
+    if fmt == "openai_batch":
+        raise ShardgenError(f"'{path}' holds OpenAI batch result files, not a dataset; read them as JSON Lines")
     return datasets.load_dataset("parquet" if fmt == "parquet" else "json", data_files=str(path), split="train")
 
 
@@ -164,17 +209,30 @@ def provenance(path: str | Path) -> dict[str, Any]:
         return json.loads((pq.read_schema(path).metadata or {}).get(PROVENANCE_KEY, b"{}"))
     if fmt == "jsonl":
         prov = json.loads(Path(f"{path}{PROVENANCE_SUFFIX}").read_text())
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        if prov.get("output_sha256") not in (None, digest.hexdigest()):
+        if prov.get("output_sha256") not in (None, _sha256(Path(path))):
             raise ShardgenError(
                 f"'{path}{PROVENANCE_SUFFIX}' describes other rows than '{path}' holds (a merge stopped between "
                 "writing the two?); run the workflow again, which merges again"
             )
         return prov
+    if fmt == "openai_batch":
+        prov = json.loads((Path(path) / openai_batch.PROVENANCE).read_text())
+        for name in (openai_batch.OUTPUT, openai_batch.ERRORS):
+            if prov.get(f"{name}_sha256") != _sha256(Path(path) / name):
+                raise ShardgenError(
+                    f"'{path}/{openai_batch.PROVENANCE}' describes another '{name}' than the one there; run the "
+                    "workflow again, which merges again"
+                )
+        return prov
     return json.loads(load(path).info.description)["shardgen_provenance"]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_columns(path: str | Path, batch_size: int) -> tuple[list[str], ColumnReader]:
@@ -185,6 +243,17 @@ def read_columns(path: str | Path, batch_size: int) -> tuple[list[str], ColumnRe
     """
     path = Path(path)
     fmt = format_of(path)
+    if fmt == "openai_batch":  # the results' usage: a request's tokens, its samples' summed
+        names = ["prompt_tokens", "generated_tokens"]
+
+        def usage_batches(columns: list[str]) -> Iterator[pa.RecordBatch]:
+            key = {"prompt_tokens": "prompt_tokens", "generated_tokens": "completion_tokens"}
+            lines = _jsonl_batches(path / openai_batch.OUTPUT, ["response"], batch_size)
+            for batch in lines:
+                usage = [r["body"]["usage"] for r in batch.column("response").to_pylist()]
+                yield pa.RecordBatch.from_arrays([pa.array([u.get(key[c]) for u in usage]) for c in columns], columns)
+
+        return names, usage_batches
     if fmt == "hf":  # Dataset.save_to_disk
         files = [path / f["filename"] for f in json.loads((path / "state.json").read_text())["_data_files"]]
         names: list[str] = []

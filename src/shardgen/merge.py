@@ -216,7 +216,9 @@ def merge(
     with Dir.open(output.parent) as d:  # what a killed merge left: this merge is the output's one writer
         for name in (output.name, f"{output.name}{formats.PROVENANCE_SUFFIX}", Path(stats_path).name):
             d.remove_leftovers(name)
-    formats.write(config.output.format, output, _batches(manifest, run_dir, checked), empty, prov)
+    formats.write(
+        config.output.format, output, _batches(manifest, run_dir, checked), empty, prov, config.input.id_column
+    )
     stats = run.result()
     stats["cost"] = cost.run_cost(stats, config.cost)
     for shard in stats["shards"]:

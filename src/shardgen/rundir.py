@@ -37,7 +37,7 @@ CONFIG_DIR = "configs"
 LOCK_NAME = ".shardgen-run.lock"
 # The file of the run lock's fallback where the file system has no record locks (runlock).
 HELD_NAME = ".shardgen-run.held"
-_MERGED = {"parquet": "output.parquet", "jsonl": "output.jsonl", "hf": "output"}
+_MERGED = {"parquet": "output.parquet", "jsonl": "output.jsonl", "hf": "output", "openai_batch": "openai"}
 
 
 class RunDir:
@@ -132,7 +132,7 @@ class RunDir:
         return self.root / "stats.json"
 
     def merged(self, fmt: str) -> Path:
-        """The merged output of ``output.format`` (``hf``: a directory)."""
+        """The merged output of ``output.format`` (``hf`` and ``openai_batch``: a directory)."""
         return self.root / _MERGED[fmt]
 
     @property

@@ -505,3 +505,20 @@ def test_a_run_directory_written_by_the_real_writers_reads_back_alike_in_status_
     written = make_plots(run_dir.stats, run_dir.merged("parquet"), run_dir.plots)
     assert sorted(p.name for p in written) == sorted(FILES)
     assert "20" in (run_dir.plots / "totals.html").read_text()
+
+    # The same shards as OpenAI's batch result files, priced: a request per row, the failed one in the
+    # error file; the cost counts the attempt SIGTERM stopped, and the report shows it.
+    from openai.types.chat import ChatCompletion
+
+    priced = changed(changed(config, "output", format="openai_batch"), "cost", gpu_hour=3.0)
+    stats = merge(priced, run_dir.manifest, run_dir.merged("openai_batch"), run_dir.stats)
+    out = run_dir.merged("openai_batch")
+    ok, failed = ([json.loads(x) for x in (out / n).read_text().splitlines()] for n in ("output.jsonl", "errors.jsonl"))
+    assert [int(line["custom_id"]) for line in ok] == [i for i in range(20) if i != 3]
+    assert [line["response"]["body"]["error"]["code"] for line in failed] == ["prompt_too_long"]
+    completions = [ChatCompletion.model_validate(line["response"]["body"]) for line in ok]
+    assert all(c.choices[0].message.content and c.usage.completion_tokens <= 12 for c in completions)
+    assert stats["billed_gpu_hours"] > stats["gpu_hours"], "the attempt SIGTERM stopped is billed too"
+    assert stats["cost"]["total"] == pytest.approx(3.0 * stats["billed_gpu_hours"])
+    make_plots(run_dir.stats, out, run_dir.plots)
+    assert "GPU-hours billed at 3 USD each" in (run_dir.plots / "totals.html").read_text()

@@ -6,8 +6,12 @@ rule merge_shards:
         unpack(all_shard_outputs),
         manifest=rules.plan_shards.output.manifest,
     output:
-        # output.parquet, output.jsonl, or the directory output/ (output.format)
-        dataset=MERGED if RUN.output.format != "hf" else directory(MERGED),
+        # output.parquet, output.jsonl, or the directory output/ or openai/ (output.format)
+        dataset=(
+            directory(MERGED)
+            if RUN.output.format in ("hf", "openai_batch")
+            else MERGED
+        ),
         stats=RUN_DIR.stats,
     log:
         RUN_DIR.log("merge_shards"),

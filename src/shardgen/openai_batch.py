@@ -1,0 +1,106 @@
+"""OpenAI's Batch API result format (``output.format: openai_batch``): the merged rows as the two files
+a batch of requests gives back, so that code written for a hosted batch API reads a shardgen run.
+
+``<dir>/openai/`` holds:
+
+- ``output.jsonl``: a line per request that got a result, in input order:
+  ``{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error": null}``,
+  the body a chat completion (``task: generate``: a choice per sample, with
+  its ``message``, ``finish_reason`` and ``index``; ``usage`` with the
+  prompt, completion and total tokens) or an embedding list (``task: embed``);
+- ``errors.jsonl``: a line per request that did not, in input order, with
+  ``status_code`` 400 and an ``error`` body: shardgen's per-row error as the
+  ``message``, its reason (the error's first word) as the ``code``;
+- ``provenance.json``: the run's provenance and the SHA-256 of both files.
+
+A request's ``custom_id`` is its ``input.id_column`` value, else its row
+index. Ids are deterministic (``batch_req_<row>``, ``chatcmpl-<row>``), so a
+rerun writes the same lines. The files' shape is what the ``openai``
+package's types accept (``openai.types.chat.ChatCompletion``,
+``openai.types.CreateEmbeddingResponse``), which the tests check.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+OUTPUT, ERRORS, PROVENANCE = "output.jsonl", "errors.jsonl", "provenance.json"
+TASKS = ("generate", "embed")
+# the finish reasons a chat completion may have; vLLM's others ("abort") make the row an error line
+FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
+
+
+def custom_id(row: dict[str, Any], id_column: str | None) -> str:
+    return str(row[id_column]) if id_column else str(row["row_index"])
+
+
+def requests(rows: Iterable[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """The output rows grouped by request: consecutive rows of one ``row_index`` (one per sample with
+    ``output.samples: rows``)."""
+    for _, group in itertools.groupby(rows, key=lambda r: r["row_index"]):
+        yield list(group)
+
+
+def _samples(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One dict per sample, whatever the layout: a row per sample, or one row of list columns."""
+    first = rows[0]
+    if len(rows) == 1 and isinstance(first.get("generation"), list):
+        keys = ("generation", "finish_reason", "generated_tokens")
+        return [dict(zip(keys, values, strict=True)) for values in zip(*(first[k] for k in keys), strict=True)]
+    return rows
+
+
+def result_line(rows: list[dict[str, Any]], task: str, model: str, created: int, id_column: str | None) -> dict:
+    """The result line of one request (its output rows); ``response.status_code`` 400 for an error line."""
+    first = rows[0]
+    index = first["row_index"]
+    line = {"id": f"batch_req_{index}", "custom_id": custom_id(first, id_column), "error": None}
+    prompt_tokens = first.get("prompt_tokens") or 0
+    error = first.get("error")
+    body: dict[str, Any]
+    if task == "embed":
+        if first.get("embedding") is None:
+            return _error(line, index, error or "no_embedding: the row got no embedding")
+        body = {
+            "object": "list",
+            "data": [{"object": "embedding", "index": 0, "embedding": list(first["embedding"])}],
+            "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        }
+    else:
+        samples = _samples(rows)
+        if any(s.get("generation") is None for s in samples):
+            return _error(line, index, error or "no_generation: the row got no generation")
+        unfinished = [s["finish_reason"] for s in samples if s.get("finish_reason") not in FINISH_REASONS]
+        if unfinished:
+            return _error(line, index, f"unfinished: the generation ended with finish_reason {unfinished[0]!r}")
+        completion = sum(s.get("generated_tokens") or 0 for s in samples)
+        body = {
+            "id": f"chatcmpl-{index}",
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": s["generation"], "refusal": None},
+                    "finish_reason": s["finish_reason"],
+                    "logprobs": None,
+                }
+                for i, s in enumerate(samples)
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+            },
+        }
+    return {**line, "response": {"status_code": 200, "request_id": f"req_{index}", "body": body}}
+
+
+def _error(line: dict[str, Any], index: int, message: str) -> dict[str, Any]:
+    code = message.split(":", 1)[0].split()[0] if message else "error"
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    return {**line, "response": {"status_code": 400, "request_id": f"req_{index}", "body": body}}
