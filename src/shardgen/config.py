@@ -142,6 +142,8 @@ def check_consistency(config: dict[str, Any]) -> None:
     model, sampling, prompt = config["model"], config.get("sampling", {}), config["prompt"]
     output = config["output"]
     check_task(config)
+    if config["input"].get("sampling_column") and config["task"] != "generate":
+        raise ConfigError(f"input.sampling_column sets sampling per row: for task generate, not {config['task']}")
     if output.get("format") == "openai_batch":
         from shardgen.openai_batch import TASKS
 
@@ -434,6 +436,7 @@ class InputConfig:
     hf: Mapping[str, Any] | None = None
     disk: str | None = None
     id_column: str | None = None
+    sampling_column: str | None = None
     allow_empty: bool = False
 
 

@@ -190,11 +190,14 @@ def _prepare(batch, renderer, tokenizer, task, on_error, inputs: RowInputs) -> l
         keep.append((index, row, lora))
     out = []
     for (index, row, lora), ids in zip(keep, tokenizer.encode_batch(prompts), strict=True):
-        if isinstance(ids, RowError):
-            on_error(index, row, ids)
-        else:
+        try:
+            if isinstance(ids, RowError):
+                raise ids
             params = task.params(index, row)
-            out.append(Request(index, ids, params, row, lora=lora, image_columns=inputs.image_columns))
+        except RowError as e:
+            on_error(index, row, e)
+            continue
+        out.append(Request(index, ids, params, row, lora=lora, image_columns=inputs.image_columns))
     return out
 
 

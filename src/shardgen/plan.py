@@ -207,7 +207,8 @@ def check_columns(config: RunConfig, schema: Any, where: str, head: Any = None) 
 
     renderer = PromptRenderer.from_config(config.prompt)
     prompt_key = "prompt.messages_column" if renderer.messages_column else "prompt.template"
-    keyed = {"input.id_column": config.input.id_column, "lora.column": config.lora.column}
+    keyed = {"input.id_column": config.input.id_column, "input.sampling_column": config.input.sampling_column,
+             "lora.column": config.lora.column}  # fmt: skip
     keyed |= {f"prompt.images[{i}]": c for i, c in enumerate(config.prompt.images)}
     check_input_columns(schema, renderer.columns, keyed, result_spec(config, head).names, prompt_key, where)
 

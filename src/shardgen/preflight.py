@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardgen import engine as eng
-from shardgen import heads, jobenv, lora
+from shardgen import heads, jobenv, lora, rowsampling
 from shardgen.config import RunConfig, engine_version, warnings
 from shardgen.errors import InputError, RowError, ShardgenError
 from shardgen.gpus import FP4_WEIGHT_FORMATS, FP8_WEIGHT_FORMATS, MXFP4_WEIGHT_FORMATS, checkpoint_quant_method
@@ -340,6 +340,8 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
         try:
             lora.adapter_name(config.lora, row, build)
             row_images(config.prompt.images, row)  # decoded here: a column of broken images is found now
+            if (column := config.input.sampling_column) and row.get(column) is not None:
+                rowsampling.sampling_params(config.sampling, row[column], column)  # the row's own sampling
             prompts.append((index, row, renderer.render(row)))
         except RowError as e:
             row_error(index, row, e)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shardgen import engine as eng
+from shardgen import rowsampling
 from shardgen.heads import POOLING_TASKS
 from shardgen.results import Columns, PoolingSpec, ResultSpec, Sample, choice_first_tokens
 
@@ -60,8 +61,10 @@ class GenerateTask:
         choices = config.sampling.choices if config.output.choice_probs else None
         self.spec = ResultSpec.of(config, choice_first_tokens(tokenizer.hf, choices) if choices else None)
         self.sampling = eng.make_sampling_params(config.sampling, self.spec.choice_token_ids)
+        self.run_sampling = config.sampling
         self.seed = config.sampling.seed
         self.id_column = config.input.id_column
+        self.sampling_column = config.input.sampling_column
 
     def params(self, index: int, row: dict[str, Any]) -> Any:
         """The request's own ``SamplingParams``: a shallow copy of the run's, marked ``skip_clone``.
@@ -74,10 +77,23 @@ class GenerateTask:
         (the seed, the stop ids from the generation config); what stays
         shared (the labels, the schema, the token ids to score) is the same
         for every request of a run, which is what ``skip_clone`` asks for.
+        A row with its own sampling (``input.sampling_column``) gets its own
+        params (``rowsampling.sampling_params``).
+
+        Raises:
+            RowError: the row's own sampling is not valid.
         """
-        params = copy.copy(self.sampling)
+        own_seed = None
+        if self.sampling_column and row.get(self.sampling_column) is not None:  # input.sampling_column
+            params, own_seed = rowsampling.sampling_params(
+                self.run_sampling, row[self.sampling_column], self.sampling_column, self.spec.choice_token_ids
+            )
+        else:
+            params = copy.copy(self.sampling)
         params.skip_clone = True
-        if self.seed is not None:
+        if own_seed is not None:
+            params.seed = own_seed
+        elif self.seed is not None:
             params.seed = eng.row_seed(self.seed, row[self.id_column] if self.id_column else index)
         return params
 

@@ -85,6 +85,45 @@ def test_json_schema_output_parses_for_every_row_into_typed_columns(tmp_path, en
         assert record["sentiment"] in {"positive", "negative", "neutral"} and 1 <= record["stars"] <= 5
 
 
+def test_each_row_gets_its_own_sampling_and_a_bad_value_is_that_rows_error_naming_the_field(tmp_path, engine):
+    """input.sampling_column, under OpenAI's names: each row within its own max_tokens, a row seed
+    that gives two rows of one prompt the same sampled text, JSON mode for one row; an invalid
+    request is that row's error and the other rows run."""
+    seeded = {"max_completion_tokens": 6, "temperature": 0.9, "seed": 7}
+    params = [
+        {"max_tokens": 2},
+        seeded,
+        seeded,
+        None,  # the run's: greedy, 12 tokens
+        {"max_tokens": -1},
+        {"temperature": "hot"},
+        {"tools": [{"type": "function"}]},
+        {"response_format": {"type": "json_object"}, "max_tokens": 30},
+    ]
+    rows = [
+        {"id": f"r{i}", "text": REVIEWS[0], "params": None if p is None else json.dumps(p)}
+        for i, p in enumerate(params)
+    ]
+    config, manifest = planned(
+        tmp_path,
+        rows,
+        input={"parquet": [str(tmp_path / "in.parquet")], "id_column": "id", "sampling_column": "params"},
+        prompt={"template": "Review: {{ text }}\nSay what you think of it."},
+        shards={"rows_per_shard": 8},
+        errors={"max_rate": 0.5},
+    )
+    run_all(tmp_path, config, manifest, engine)
+    got = pq.read_table(tmp_path / "s" / "00000.parquet").to_pylist()
+    errors = [r["error"] for r in got]
+    assert errors[:4] == [None] * 4 and errors[7] is None, errors
+    assert [r["generated_tokens"] for r in got[:2]] == [2, 6] and got[3]["generated_tokens"] <= 12
+    assert got[1]["generation"] == got[2]["generation"], "one prompt, one row seed: one sampled text"
+    assert errors[4].startswith("invalid_sampling: params: max_tokens must be at least 1")
+    assert errors[5] == "invalid_sampling: params.temperature: a number, not 'hot'"
+    assert errors[6].startswith("invalid_sampling: params.tools: not a sampling field")
+    assert got[7]["generation"].lstrip().startswith("{") and got[7]["generated_tokens"] <= 30
+
+
 def test_choice_labels_are_always_a_choice_with_probabilities_summing_to_one(tmp_path, engine):
     labels = ["positive", "negative", "neutral"]
     config, manifest = planned(

@@ -1,0 +1,87 @@
+"""Per-row sampling (input.sampling_column): what a row may set, under OpenAI's names or vLLM's, and
+the row errors that name the field; the params are vLLM's own SamplingParams."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardgen import config as cfg
+from shardgen.errors import ConfigError, RowError
+from shardgen.rowsampling import overrides, row_sampling, sampling_params
+from tests.conftest import TEST_MODEL_CFG
+
+RUN = {"max_tokens": 32, "temperature": 0.0, "n": 1}
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, {}),
+        ('{"max_tokens": 5, "stop": null}', {"max_tokens": 5}),
+        ({"temperature": 0.7, "seed": None}, {"temperature": 0.7}),
+        ([("top_p", 0.9)], {"top_p": 0.9}),  # an Arrow map column
+    ],
+)
+def test_a_rows_value_is_a_mapping_or_a_json_object_and_null_fields_keep_the_runs(value, expected):
+    assert overrides(value, "params") == expected
+
+
+@pytest.mark.parametrize(("value", "said"), [("{not json", "params: not a JSON object"), (7, "not int")])
+def test_a_value_that_is_no_mapping_is_the_rows_error(value, said):
+    with pytest.raises(RowError, match=said) as e:
+        overrides(value, "params")
+    assert e.value.reason == "invalid_sampling"
+
+
+def test_openais_names_map_to_vllms_and_a_json_schema_response_format_constrains_the_row():
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    row = {"max_completion_tokens": 7, "temperature": 0.5, "user": "u1", "model": "gpt-x", "n": 1,
+           "response_format": schema}  # fmt: skip
+    assert row_sampling(RUN, row, "params") == {
+        "max_tokens": 7, "temperature": 0.5, "n": 1, "structured_outputs": {"json": {"type": "object"}}
+    }  # fmt: skip
+    assert row_sampling(RUN, {"response_format": {"type": "json_object"}}, "p")["structured_outputs"] == {
+        "json_object": True
+    }
+    assert "structured_outputs" not in row_sampling(RUN, {"response_format": {"type": "text"}}, "p")
+
+
+@pytest.mark.parametrize(
+    ("row", "said"),
+    [
+        ({"n": 3}, "params.n: 3, but the run's is 1"),
+        ({"logprobs": True}, "params.logprobs: True, but the run's is False"),
+        ({"tools": [{"type": "function"}]}, "params.tools: not a sampling field"),
+        ({"response_format": {"type": "xml"}}, "params.response_format: type text, json_object or json_schema"),
+    ],
+)
+def test_a_field_the_row_may_not_set_is_its_error_naming_the_field(row, said):
+    with pytest.raises(RowError, match=said):
+        row_sampling(RUN, row, "params")
+
+
+def test_a_rows_response_format_in_a_run_with_structured_outputs_is_refused():
+    run = {**RUN, "structured_outputs": {"choice": ["yes", "no"]}}
+    with pytest.raises(RowError, match="the run's sampling.structured_outputs decide it"):
+        row_sampling(run, {"response_format": {"type": "json_object"}}, "p")
+
+
+def test_the_params_are_vllms_with_the_rows_values_and_vllm_refuses_a_bad_one():
+    params, seed = sampling_params(RUN, {"max_tokens": 3, "stop": ["\n"], "seed": 11}, "p")
+    assert (params.max_tokens, params.stop, seed) == (3, ["\n"], 11)
+    with pytest.raises(RowError, match=r"^invalid_sampling: p: max_tokens must be at least 1") as e:
+        sampling_params(RUN, {"max_tokens": -1}, "p")
+    assert e.value.reason == "invalid_sampling"
+    with pytest.raises(RowError, match="p.seed: an integer, not 'abc'"):
+        sampling_params(RUN, {"seed": "abc"}, "p")
+    with pytest.raises(RowError, match="p.temperature: a number, not 'hot'"):
+        sampling_params(RUN, {"temperature": "hot"}, "p")
+    with pytest.raises(RowError, match="p.stop: a string or a list of strings"):
+        sampling_params(RUN, {"stop": [1]}, "p")
+
+
+def test_the_column_is_for_generation_and_must_be_in_the_input():
+    base = {"input": {"parquet": ["x.parquet"], "sampling_column": "params"}, "prompt": {"template": "{{ text }}"},
+            "model": {**TEST_MODEL_CFG, "runner": "pooling"}, "task": "embed"}  # fmt: skip
+    with pytest.raises(ConfigError, match="input.sampling_column sets sampling per row: for task generate"):
+        cfg.RunConfig.from_dict(base)
