@@ -22,13 +22,16 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from shardgen import trust
 from shardgen.errors import ConfigError
 from shardgen.rundir import CONFIG_DIR, RunDir
+
+if TYPE_CHECKING:
+    from shardgen.tasks import Task
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
 
@@ -57,8 +60,6 @@ LATER_DEFAULTS = {
     "prompt": {"pair_template": None, "images": []},
     "model": {"runner": None, "convert": None, "pooler_config": None, "enable_lora": None, "max_lora_rank": None},
 }
-# Output keys that change what a shard file holds (its columns), not just the merged file's format.
-CONTENT_OUTPUT_KEYS = ("samples", "choice_probs")
 
 
 @cache
@@ -141,14 +142,16 @@ def check_consistency(config: dict[str, Any]) -> None:
     """
     model, sampling, prompt = config["model"], config.get("sampling", {}), config["prompt"]
     output = config["output"]
-    check_task(config)
-    if config["input"].get("sampling_column") and config["task"] != "generate":
+    task_kind(config).check_config(config)
+    if config["input"].get("openai_batch"):
+        batch_input(config)
+    if config["input"].get("sampling_column") and not task_kind(config).generates:
         raise ConfigError(f"input.sampling_column sets sampling per row: for task generate, not {config['task']}")
     if output.get("format") == "openai_batch":
-        from shardgen.openai_batch import TASKS
+        from shardgen.openai_batch import URLS
 
-        if config["task"] not in TASKS:
-            raise ConfigError(f"output.format openai_batch is for task {' and '.join(TASKS)}, not {config['task']}")
+        if config["task"] not in URLS:
+            raise ConfigError(f"output.format openai_batch is for task {' and '.join(URLS)}, not {config['task']}")
         if output.get("push_to_hub"):
             raise ConfigError(
                 "output.push_to_hub needs a dataset: output.format parquet, jsonl or hf, not openai_batch"
@@ -156,7 +159,7 @@ def check_consistency(config: dict[str, Any]) -> None:
     check_lora(config)
     max_len = model.get("max_model_len")
     max_tokens = sampling.get("max_tokens")
-    if config["task"] == "generate" and max_len is not None and max_tokens is not None and max_tokens >= max_len:
+    if task_kind(config).generates and max_len is not None and max_tokens is not None and max_tokens >= max_len:
         raise ConfigError(
             f"sampling.max_tokens ({max_tokens}) must be smaller than model.max_model_len ({max_len}): "
             "prompt and output share the context"
@@ -250,40 +253,37 @@ def check_lora(config: dict[str, Any]) -> None:
         model["enable_lora"] = True
 
 
-def check_task(config: dict[str, Any]) -> None:
-    """The task and the keys that belong to another task; a pooling task gets vLLM's pooling runner.
+def batch_input(config: dict[str, Any]) -> None:
+    """input.openai_batch: the requests decide the prompt, the row id and each row's sampling; the
+    settings that say so are filled in here (and refused when set otherwise).
 
     Raises:
-        ConfigError: naming the keys.
+        ConfigError: naming the key.
     """
-    task, model, prompt = config["task"], config["model"], config["prompt"]
-    if prompt.get("images") and task != "generate":
-        raise ConfigError(f"prompt.images are for task: generate (a vision-language model), not task: {task}")
-    if task == "generate":
-        if model.get("runner") == "pooling":
-            raise ConfigError("model.runner is pooling, but task is generate: set task (classify, embed, ...)")
-        pooling_keys = (("pooling", any(v is not None for v in config["pooling"].values())),
-                        ("prompt.pair_template", prompt.get("pair_template") is not None))  # fmt: skip
-        for key, given in pooling_keys:
-            if given:
-                raise ConfigError(f"{key} is set, but task is generate: it is for the pooling tasks (task: ...)")
-        return
-    if model.get("runner") == "generate":
-        raise ConfigError(f"task: {task} pools the prompt: model.runner must be pooling (or unset), not generate")
-    model["runner"] = model.get("runner") or "pooling"
-    if (task == "score") != (prompt.get("pair_template") is not None):
-        raise ConfigError(
-            "task: score needs prompt.pair_template (the second text of each pair)"
-            if task == "score"
-            else f"prompt.pair_template is for task: score, not task: {task}"
-        )
-    pooling = config["pooling"]
-    for key, only in (("dimensions", "embed"), ("top_k", "classify")):
-        if pooling.get(key) is not None and task != only:
-            raise ConfigError(f"pooling.{key} is for task: {only}, not task: {task}")
-    sampling = config.get("sampling") or {}
-    if sampling.get("structured_outputs") or sampling.get("n", 1) > 1 or config["output"].get("choice_probs"):
-        raise ConfigError(f"task: {task} generates no text: drop sampling and output.choice_probs")
+    from shardgen.openai_batch import CHAT, URLS, expected_url
+
+    task, prompt, inputs = config["task"], config["prompt"], config["input"]
+    if task not in URLS:
+        raise ConfigError(f"input.openai_batch is for task {' and '.join(URLS)}, not {task}")
+    for key, own in (("template", "{{ input }}"), ("messages_column", "messages")):
+        if prompt.get(key) not in (None, own):
+            raise ConfigError(f"prompt.{key}: the requests of input.openai_batch are the prompts; leave it unset")
+    if expected_url(task, prompt.get("chat", True)) == CHAT:
+        prompt["messages_column"] = "messages"
+    else:
+        prompt.update(template="{{ input }}", chat=False)  # an embedding's input, a completion's prompt
+    sampling = "body" if task_kind(config).generates else None
+    for key, own in (("id_column", "custom_id"), ("sampling_column", sampling)):
+        if inputs.get(key) not in (None, own):
+            raise ConfigError(f"input.{key}: input.openai_batch sets it ({own}); leave it unset")
+        inputs[key] = own
+
+
+def task_kind(config: Mapping[str, Any]) -> type[Task]:
+    """The kind of a config's task (``tasks.KINDS``)."""
+    from shardgen.tasks import KINDS
+
+    return KINDS[config.get("task", "generate")]
 
 
 def check_output_dir(path: str) -> None:
@@ -387,7 +387,6 @@ def content_config(config: dict[str, Any], engine: str | None = None) -> dict[st
         return {k: v for k, v in values.items() if k not in later or v != later[k]}
 
     model = {k: v for k, v in config["model"].items() if k not in RUNTIME_MODEL_KEYS}
-    task = config.get("task", "generate")
     out = {
         "input": {k: v for k, v in config["input"].items() if k != "allow_empty"},
         # the submission order decides speed, not text
@@ -395,11 +394,7 @@ def content_config(config: dict[str, Any], engine: str | None = None) -> dict[st
         "model": without_later_defaults("model", model),
         "engine_version": engine or engine_version(),
     }
-    if task == "generate":  # the fingerprints of generation runs made before `task` existed stay as they were
-        out["sampling"] = config.get("sampling", {})
-        out["output"] = {k: config["output"].get(k) for k in CONTENT_OUTPUT_KEYS}
-    else:
-        out.update(task=task, pooling=config.get("pooling", {}))
+    out.update(task_kind(config).content(config))
     if (config.get("lora") or {}).get("adapters"):  # runs without adapters keep their fingerprints
         out["lora"] = config["lora"]
     return out
@@ -433,6 +428,7 @@ def content_fingerprint(config: dict[str, Any], engine: str | None = None) -> st
 @dataclass(frozen=True)
 class InputConfig:
     parquet: tuple[str, ...] | None = None
+    openai_batch: tuple[str, ...] | None = None
     hf: Mapping[str, Any] | None = None
     disk: str | None = None
     id_column: str | None = None
@@ -654,6 +650,11 @@ class RunConfig:
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
         return cls.from_dict(load(path))
+
+    @property
+    def kind(self) -> type[Task]:
+        """The run's task kind (``tasks.KINDS``)."""
+        return task_kind(self.raw)
 
     @property
     def cpus_per_job(self) -> int:

@@ -162,13 +162,14 @@ class EngineSettings:
         notes = gpus.gpu_warnings(devices, settings["kv_cache_dtype"], build)
         overrides = memory.overrides(failures)
         settings.update(overrides)
-        if build == "cpu" and config.sampling.seed is not None and settings.get("enable_chunked_prefill") is not False:
+        seeded = config.sampling.seed is not None or config.input.sampling_column  # a row may bring its own seed
+        if build == "cpu" and seeded and settings.get("enable_chunked_prefill") is not False:
             settings["enable_chunked_prefill"] = False
             # without chunking, a step must hold a whole prompt
             if settings.get("max_num_batched_tokens") and settings.get("max_model_len"):
                 settings["max_num_batched_tokens"] = max(settings["max_num_batched_tokens"], settings["max_model_len"])
             notes.append(
-                "sampling.seed on vLLM's CPU build: chunked prefill is off (PyTorch's CPU generator cannot rewind "
+                "seeded sampling on vLLM's CPU build: chunked prefill is off (PyTorch's CPU generator cannot rewind "
                 "the sample of a partly prefilled prompt, and the engine would fail)"
             )
         if build == "cpu" and settings.get("pipeline_parallel_size", 1) > 1 and settings.get("enforce_eager"):

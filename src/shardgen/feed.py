@@ -115,10 +115,25 @@ class Request:
 
 @dataclass
 class RowInputs:
-    """What a row's request carries beside its tokens: its LoRA adapter and its images."""
+    """What a row's request carries beside its tokens: its LoRA adapter and its images; and, for an
+    OpenAI batch input, the url the run serves (``openai_batch.expected_url``)."""
 
     adapters: Adapters | None = None
     image_columns: tuple[str, ...] = ()
+    url: str | None = None
+
+    def check(self, row: dict[str, Any]) -> None:
+        """A batch request that is not valid, or for another url, is the row's error.
+
+        Raises:
+            RowError: naming the field.
+        """
+        if self.url is None:
+            return
+        if row.get("request_error"):
+            raise RowError("invalid_request", row["request_error"])
+        if row.get("url") != self.url:
+            raise RowError("invalid_request", f"url: {row.get('url')!r}, but this run serves {self.url}")
 
     def lora(self, row: dict[str, Any]) -> Any:
         """The row's ``LoRARequest`` (None: the base model).
@@ -180,6 +195,7 @@ def _prepare(batch, renderer, tokenizer, task, on_error, inputs: RowInputs) -> l
     prompts, keep = [], []
     for (index, row), prompt in zip(batch, renderer.render_batch([row for _, row in batch]), strict=True):
         try:
+            inputs.check(row)
             if isinstance(prompt, RowError):
                 raise prompt
             lora = inputs.lora(row)

@@ -41,6 +41,7 @@ from shardgen.installed import vllm_version
 from shardgen.io import Dir, atomic_write_text
 from shardgen.lora import Adapters
 from shardgen.multinode import WorkersLost
+from shardgen.openai_batch import expected_url
 from shardgen.outputs import ShardCheckpoint
 from shardgen.plan import Manifest, Shard, check_columns, work_order
 from shardgen.prompts import PromptRenderer
@@ -145,7 +146,7 @@ class ShardJob:
         shard = manifest.shard(shard_id)
         source = manifest.source()
         fingerprint = shard_fingerprint(config, manifest, shard)
-        head = heads.read_for(model_record) if config.task != "generate" else None
+        head = heads.read_for(model_record) if config.kind.needs_head else None
         check_columns(config, source.schema, source.describe(), head)  # for the config this job runs
         schema = result_spec(config, head).schema(source.schema, fingerprint, config.fingerprint, shard.id)
         run_dir = RunDir(config.output.dir)
@@ -420,12 +421,13 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
         raise
     run.engine_seconds = time.time() - t0  # about 0 when the job's engine was running already
 
-    tokenizer = engine.tokenizer(generates=job.config.task == "generate")
+    tokenizer = engine.tokenizer(generates=job.config.kind.generates)
     job.renderer.max_chars = tokenizer.max_prompt_chars
     task = make_task(job.config, tokenizer, job.head)
     loras = job.model_record.get("adapters") or {}
     adapters = Adapters(job.config.lora, loras, settings.build) if job.config.lora.adapters else None
-    inputs = RowInputs(adapters, job.config.prompt.images)
+    url = expected_url(job.config.task, job.config.prompt.chat) if job.config.input.openai_batch else None
+    inputs = RowInputs(adapters, job.config.prompt.images, url)
     feed = ShardFeed(job.work(), task, tokenizer, llm, stop, counters, window, inputs)
     before = engine.counters()
     t1 = time.time()

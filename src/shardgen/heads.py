@@ -9,7 +9,7 @@ the weight is missing from what ``load_weights`` returns, and
 ``DefaultModelLoader.track_weights_loading`` counts it as loaded), and every
 row gets a confident, meaningless label. So preflight refuses a
 classification task on a model whose weights hold no head
-(``problems``), before any job.
+(``tasks.PoolingTask.problems``), before any job.
 """
 
 from __future__ import annotations
@@ -21,10 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# shardgen's task -> the pooling task of each request (vllm/pooling_params.py: PoolingParams.task).
-# A reward model is a classifier with one output (vLLM 0.32 has no "reward" task: the docstring of
-# vllm/entrypoints/pooling/offline.py: encode); a per-token reward model pools every token.
-POOLING_TASKS = {"classify": "classify", "score": "classify", "reward": "classify", "embed": "embed"}
 # Architectures whose reward is one value per token (vllm/model_executor/models/qwen2_rm.py,
 # internlm2.py: token_classify poolers).
 TOKEN_REWARD_SUFFIXES = ("ForProcessRewardModel", "ForRewardModel", "RewardModel")
@@ -109,43 +105,7 @@ def _dense_out_features(model_dir: Path) -> int | None:
     return out
 
 
-def problems(task: str, head: Head, model_cfg: Mapping[str, Any], pooling: Mapping[str, Any]) -> list[str]:
-    """Why the model cannot do the run's task, before any job (empty when it can)."""
-    if task == "generate":
-        return []
-    name = model_cfg.get("model")
-    overrides = (model_cfg.get("extra") or {}).get("hf_overrides") or {}
-    out = []
-    if task in ("classify", "reward", "score") and not head.per_token_reward:
-        if "classifier_from_token" not in overrides and not (head.has_head and _is_classifier(head)):
-            out.append(
-                f"task: {task} needs a model with a classification head, and {name} has none "
-                f"(architectures {list(head.architectures)}, no score/classifier weights): vLLM would run it "
-                "with an uninitialised head and every row would get a meaningless label. Use a "
-                "*ForSequenceClassification checkpoint, or task: embed"
-            )
-        elif task in ("reward", "score") and len(head.labels) != 1:
-            out.append(
-                f"task: {task} needs a model with one output (a reward model or cross-encoder); {name} has "
-                f"{len(head.labels)} labels {list(head.labels)[:8]}: use task: classify"
-            )
-    if task == "embed" and _is_classifier(head):
-        # vLLM runs such a checkpoint as a classifier (its pooler has no embed task), so every row would
-        # be refused; convert="embed" on it picks the Transformers backend instead (docs/dev/vllm-pooling.md)
-        out.append(
-            f"task: embed on {name}, a classifier ({list(head.architectures)}): vLLM serves it only as one; "
-            "use task: classify, or embed with the base model it was trained from"
-        )
-    if task == "classify" and (pooling.get("top_k") or 0) > len(head.labels):
-        out.append(f"pooling.top_k ({pooling['top_k']}) is more than the model's {len(head.labels)} labels")
-    if task == "classify" and len(set(head.labels)) != len(head.labels):
-        out.append(
-            f"the model's id2label names a label twice ({list(head.labels)}): the probs columns need distinct names"
-        )
-    return out
-
-
-def _is_classifier(head: Head) -> bool:
+def is_classifier(head: Head) -> bool:
     return any(a.endswith(CLASSIFIER_SUFFIXES) for a in head.architectures)
 
 

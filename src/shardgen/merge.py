@@ -145,8 +145,8 @@ def provenance(config: RunConfig, first: dict[str, Any], run: RunTotals, config_
         "shards_with_other_engine_args": differ,
         "task": config.task,
         "lora_adapters": first.get("lora_adapters") or None,
-        "sampling": published_sampling(dict(config.sampling)) if config.task == "generate" else None,
-        "pooling": dict(config.raw["pooling"]) if config.task != "generate" else None,
+        "sampling": published_sampling(dict(config.sampling)) if config.kind.generates else None,
+        "pooling": dict(config.raw["pooling"]) if not config.kind.generates else None,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     if not config.output.provenance_paths:  # the fields that hold paths; sampling values are the user's text
@@ -209,7 +209,7 @@ def merge(
     def empty() -> pa.Schema:  # the schema of an output without rows (input.allow_empty)
         from shardgen.fetch import load_record
 
-        head = heads.read_for(load_record(model_record)) if model_record and config.task != "generate" else None
+        head = heads.read_for(load_record(model_record)) if model_record and config.kind.needs_head else None
         return result_spec(config, head).schema(manifest.source().schema).remove_metadata()
 
     output = Path(output)

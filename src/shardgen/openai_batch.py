@@ -23,11 +23,14 @@ package's types accept (``openai.types.chat.ChatCompletion``,
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 OUTPUT, ERRORS, PROVENANCE = "output.jsonl", "errors.jsonl", "provenance.json"
-TASKS = ("generate", "embed")
+CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+# the tasks OpenAI's batch format serves, and the url of each (generation without chat: COMPLETIONS)
+URLS = {"generate": CHAT, "embed": EMBEDDINGS}
 # the finish reasons a chat completion may have; vLLM's others ("abort") make the row an error line
 FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
 
@@ -60,7 +63,7 @@ def result_line(rows: list[dict[str, Any]], task: str, model: str, created: int,
     prompt_tokens = first.get("prompt_tokens") or 0
     error = first.get("error")
     body: dict[str, Any]
-    if task == "embed":
+    if URLS[task] == EMBEDDINGS:
         if first.get("embedding") is None:
             return _error(line, index, error or "no_embedding: the row got no embedding")
         body = {
@@ -104,3 +107,81 @@ def _error(line: dict[str, Any], index: int, message: str) -> dict[str, Any]:
     code = message.split(":", 1)[0].split()[0] if message else "error"
     body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
     return {**line, "response": {"status_code": 400, "request_id": f"req_{index}", "body": body}}
+
+
+# -- Requests in (input.openai_batch) -----------------------------------------------------------------
+
+# body fields a row's columns take; the rest is sampling (input.sampling_column: shardgen.rowsampling)
+CONTENT_FIELDS = ("messages", "prompt", "input", "model")
+# /v1/embeddings fields that change no result here
+EMBEDDING_IGNORED = frozenset({"user", "encoding_format"})
+
+
+def expected_url(task: str, chat: bool) -> str:
+    """The request url a run serves: its task, and for generation whether prompts are chats."""
+    return COMPLETIONS if URLS[task] == CHAT and not chat else URLS[task]
+
+
+def scan_line(line: bytes, path: str, lineno: int) -> tuple[str, str | None]:
+    """A request line's ``custom_id`` and ``body.model``, read when planning.
+
+    Raises:
+        InputError: the line is not a JSON object with a string ``custom_id``, naming the file and line.
+    """
+    from shardgen.errors import InputError
+
+    try:
+        request = json.loads(line)
+    except ValueError as e:
+        raise InputError(f"input: '{path}', line {lineno}: not JSON ({e})") from None
+    if not isinstance(request, dict) or not isinstance(request.get("custom_id"), str) or not request["custom_id"]:
+        raise InputError(f"input: '{path}', line {lineno}: a request needs a custom_id (a non-empty string)")
+    body = request.get("body")
+    model = body.get("model") if isinstance(body, dict) else None
+    return request["custom_id"], model if isinstance(model, str) else None
+
+
+def request_row(line: bytes) -> dict[str, Any]:
+    """The row of one request line (``sources.BATCH_SCHEMA``): its custom id and url, the chat
+    ``messages`` (text parts joined) or the text ``input`` (``input``, or a completion's ``prompt``),
+    the sampling fields of its body as JSON (``body``), and what makes it invalid
+    (``request_error``, naming the field), which makes it the row's error."""
+    request = json.loads(line)
+    body = request.get("body")
+    row = {"custom_id": request["custom_id"], "url": request.get("url"), "messages": None, "input": None,
+           "body": None, "request_error": None}  # fmt: skip
+    try:
+        if not isinstance(body, dict):
+            raise ValueError("body: a JSON object")
+        if row["url"] == CHAT:
+            row["messages"] = _messages(body.get("messages"))
+        elif row["url"] in (COMPLETIONS, EMBEDDINGS):
+            key = "prompt" if row["url"] == COMPLETIONS else "input"
+            if not isinstance(body.get(key), str):
+                raise ValueError(f"body.{key}: one string per request")
+            row["input"] = body[key]
+        else:
+            raise ValueError(f"url: {row['url']!r} is none of {CHAT}, {COMPLETIONS}, {EMBEDDINGS}")
+        rest = {k: v for k, v in body.items() if k not in CONTENT_FIELDS}
+        if row["url"] == EMBEDDINGS and (changes := sorted(set(rest) - EMBEDDING_IGNORED)):
+            raise ValueError(f"body.{changes[0]}: not served for embeddings (it would change the result)")
+        row["body"] = json.dumps(rest) if rest and row["url"] != EMBEDDINGS else None
+    except ValueError as e:
+        row["request_error"] = str(e)
+    return row
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise ValueError("body.messages: a non-empty list of messages")
+    out = []
+    for i, m in enumerate(value):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise ValueError(f"body.messages[{i}].content: only text parts are served")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+            raise ValueError(f"body.messages[{i}]: a role and a text content")
+        out.append({"role": m["role"], "content": content})
+    return out

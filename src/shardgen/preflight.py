@@ -24,11 +24,13 @@ from shardgen import engine as eng
 from shardgen import heads, jobenv, lora, rowsampling
 from shardgen.config import RunConfig, engine_version, warnings
 from shardgen.errors import InputError, RowError, ShardgenError
+from shardgen.feed import RowInputs
 from shardgen.gpus import FP4_WEIGHT_FORMATS, FP8_WEIGHT_FORMATS, MXFP4_WEIGHT_FORMATS, checkpoint_quant_method
 from shardgen.images import row_images
 from shardgen.installed import version_problem, vllm_build
 from shardgen.io import atomic_write_text
 from shardgen.kernels import kernel_problem
+from shardgen.openai_batch import expected_url
 from shardgen.plan import Manifest, check_columns
 from shardgen.prompts import PromptRenderer
 
@@ -225,9 +227,9 @@ def check_sampling(config: RunConfig, tokenizer: Any, build: str) -> tuple[list[
             f"model.kv_cache_dtype: '{kv}' on vLLM's CPU build needs a CPU with AVX-512 or AMX, and this one has "
             "neither; remove the key (or use auto, which picks FP8 only where it runs)"
         )
-    if config.sampling.seed is not None and build == "cpu":
+    if (config.sampling.seed is not None or config.input.sampling_column) and build == "cpu":
         notes.append(
-            "sampling.seed on vLLM's CPU build: jobs run with chunked prefill off (PyTorch's CPU generator cannot "
+            "seeded sampling on vLLM's CPU build: jobs run with chunked prefill off (PyTorch's CPU generator cannot "
             "rewind the sample of a partly prefilled prompt); long prompts are prefilled in one step"
         )
     return problems, notes
@@ -304,20 +306,20 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
             f"({own[1]} = {own[0]} in {model_dir / 'config.json'}); vLLM refuses to start with it"
         )
     problems += lora.problems(model_cfg, record.get("adapters") or {})
-    head = heads.Head.read(model_dir) if config.task != "generate" else None
+    head = heads.Head.read(model_dir) if config.kind.needs_head else None
     try:  # for this config: a change of sampling can add a result column without planning again
         check_columns(config, source.schema, source.describe(), head)
     except InputError as e:
         problems.append(str(e))
     if head is not None:
-        problems += heads.problems(config.task, head, model_cfg, config.raw["pooling"])
+        problems += config.kind.problems(head, model_cfg, config.raw["pooling"])
     elif max_len is not None and sampling.max_tokens >= max_len:
         problems.append(
             f"sampling.max_tokens ({sampling.max_tokens}) leaves no room for a prompt in the model's "
             f"context of {max_len} tokens"
         )
     hf_tokenizer = _load_tokenizer(model_cfg, record)
-    tokenizer = eng.Tokenizer(hf_tokenizer, max_len or 2**62, generates=config.task == "generate")
+    tokenizer = eng.Tokenizer(hf_tokenizer, max_len or 2**62, generates=config.kind.generates)
     more_problems, more_notes = check_sampling(config, hf_tokenizer, build)
     problems += more_problems
     notes += more_notes
@@ -336,8 +338,10 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
         first_error.setdefault(e.reason, f"row {index}: {e}")
 
     prompts = []
+    batch = RowInputs(url=expected_url(config.task, config.prompt.chat)) if config.input.openai_batch else RowInputs()
     for index, row in sample:
         try:
+            batch.check(row)  # an OpenAI batch request that is not valid
             lora.adapter_name(config.lora, row, build)
             row_images(config.prompt.images, row)  # decoded here: a column of broken images is found now
             if (column := config.input.sampling_column) and row.get(column) is not None:
@@ -365,7 +369,7 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
             f"{errors} of {len(sample)} sampled rows will be per-row errors (about "
             f"{round(errors / len(sample) * manifest.total_rows)} of all rows): {detail}"
         )
-    if max_len is not None and config.task == "generate":
+    if max_len is not None and config.kind.generates:
         short = sum(1 for n in lengths if n + sampling.max_tokens > max_len)
         if short:
             notes.append(
@@ -397,7 +401,7 @@ def estimate(config: RunConfig, manifest: Manifest, lengths: list[int]) -> dict[
     """The run's size: rows, shards, prompt tokens (from the sample) and GPU-hours at the stated throughput."""
     rows, shards = manifest.total_rows, len(manifest.shards)
     pre = config.preflight
-    generates = config.task == "generate"
+    generates = config.kind.generates
     # every sample of a row is generated: n of them
     out_tokens = rows * config.sampling.max_tokens * config.sampling.n if generates else 0
     mean_prompt = sum(lengths) / len(lengths) if lengths else 0.0

@@ -31,6 +31,7 @@ from shardgen import formats
 from shardgen.errors import ShardgenError
 from shardgen.io import atomic_write, atomic_write_text
 from shardgen.stats import BUCKET_MIN, BUCKET_RATIO, LogHistogram
+from shardgen.tasks import KINDS
 
 # The files make_plots writes into its directory (workflow/rules/report.smk names the same).
 TOTALS = "totals.html"
@@ -258,7 +259,7 @@ def totals(stats: dict[str, Any], shards: list[ShardFigures]) -> list[tuple[str,
         ("GPU-hours", _fmt(_num(stats.get("gpu_hours")), ",.4f")),
         ("output tokens per GPU-hour", _fmt(_num(stats.get("output_tokens_per_gpu_hour")), ",.0f")),
     ]
-    if stats.get("task", "generate") != "generate":  # a pooling task: no output tokens, no first token
+    if not KINDS[stats.get("task", "generate")].generates:  # a pooling task: no output tokens, no first token
         rows = [("task", stats["task"])] + [r for r in rows if r[0] not in GENERATION_ONLY_ROWS]
         at = [r[0] for r in rows].index("requests/s") + 1
         rows.insert(at, ("prompt tokens/s", _fmt(_num(stats.get("prompt_tokens_per_s")))))

@@ -22,6 +22,7 @@ from shardgen.errors import ConfigError, RowError, ShardgenError
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
+    from shardgen.tasks import PoolingTask
 
 LOGPROB_TYPE = pa.list_(
     pa.list_(pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())]))
@@ -293,47 +294,28 @@ LABEL_PROB_TYPE = pa.list_(pa.struct([("label", pa.string()), ("prob", pa.float3
 
 class PoolingSpec(Columns):
     """The result columns of a pooling task, and the row a pooled output gives: one output row per
-    input row, with its ``row_index``, ``prompt_tokens`` and ``error``, and
-
-    - ``classify``: ``label``, the most likely class, and ``probs``, each class's
-      probability as a struct with a float32 field per class named by the
-      model's ``id2label``; with ``pooling.top_k``, ``probs`` is instead the k
-      most likely classes, a list of ``{label, prob}``, most likely first;
-    - ``reward``: ``reward``, float32 (a list of float32, one per prompt token,
-      for a per-token reward model);
-    - ``embed``: ``embedding``, a fixed-size list of float32 (the Arrow type
-      vector indexes read), of the model's embedding size or ``pooling.dimensions``;
-    - ``score``: ``score``, float32, the cross-encoder's score of the pair.
+    input row, with its ``row_index``, ``prompt_tokens`` and ``error``, and the task's own columns
+    (``kind.pooled_fields``, ``kind.pooled``).
 
     Args:
-        task: ``classify``, ``reward``, ``embed`` or ``score``.
+        kind: the task (``tasks.ClassifyTask``, ``RewardTask``, ``EmbedTask`` or ``ScoreTask``).
         head: the model's (``heads.Head``); without it only the column names are known.
         pooling: the config's ``pooling`` section.
     """
 
-    def __init__(self, task: str, head: Any = None, pooling: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, kind: type[PoolingTask], head: Any = None, pooling: Mapping[str, Any] | None = None) -> None:
         from shardgen.heads import embedding_dim
 
         pooling = pooling or {}
-        self.task = task
+        self.kind = kind
         self.labels: list[str] = list(head.labels) if head is not None else []
         self.top_k: int | None = pooling.get("top_k")
         self.dim = embedding_dim(head, pooling)
         self.per_token = bool(head is not None and head.per_token_reward)
 
-    def _pooled_fields(self) -> list[pa.Field]:
-        if self.task == "classify":
-            probs = LABEL_PROB_TYPE if self.top_k else pa.struct([(label, pa.float32()) for label in self.labels])
-            return [pa.field("label", pa.string()), pa.field("probs", probs)]
-        if self.task == "reward":
-            return [pa.field("reward", pa.list_(pa.float32()) if self.per_token else pa.float32())]
-        if self.task == "embed":
-            return [pa.field("embedding", pa.list_(pa.float32(), self.dim) if self.dim else pa.list_(pa.float32()))]
-        return [pa.field("score", pa.float32())]
-
     def fields(self) -> list[pa.Field]:
         return [pa.field("row_index", pa.int64(), nullable=False), pa.field("prompt_tokens", pa.int32()),
-                *self._pooled_fields(), pa.field("error", pa.string())]  # fmt: skip
+                *self.kind.pooled_fields(self), pa.field("error", pa.string())]  # fmt: skip
 
     def rows(self, row: dict[str, Any], index: int, prompt_tokens: int, data: list[Any]) -> list[dict]:
         """The output row of an input row whose pooled output is ``data`` (the engine's tensor as a list).
@@ -343,24 +325,12 @@ class PoolingSpec(Columns):
                 model's config promised (every row would fail the same way).
         """
         out = {**row, "row_index": index, "prompt_tokens": prompt_tokens, "error": None}
-        if self.task == "classify":
-            self._expect(len(data), len(self.labels), "class probabilities", "id2label's labels")
-            ranked = sorted(range(len(data)), key=lambda i: -data[i])
-            out["label"] = self.labels[ranked[0]]
-            if self.top_k:
-                out["probs"] = [{"label": self.labels[i], "prob": data[i]} for i in ranked[: self.top_k]]
-            else:
-                out["probs"] = dict(zip(self.labels, data, strict=True))
-        elif self.task == "embed":
-            if self.dim:
-                self._expect(len(data), self.dim, "embedding values", "the declared embedding size")
-            out["embedding"] = data
-        else:
-            flat = [x for v in data for x in (v if isinstance(v, list) else [v])]
-            out[self.task] = flat if self.task == "reward" and self.per_token else flat[0]
+        out.update(self.kind.pooled(self, data))
         return [out]
 
-    def _expect(self, got: int, want: int, what: str, of: str) -> None:
+    def expect(self, got: int, want: int, what: str, of: str) -> None:
+        """Raises ``ShardgenError`` when the engine gave ``got`` values per row where the model's config
+        says ``want``."""
         if got != want:
             raise ShardgenError(
                 f"the engine gave {got} {what} per row, but the model's config.json says {want} ({of}); "
@@ -371,9 +341,7 @@ class PoolingSpec(Columns):
 def result_spec(config: RunConfig, head: Any = None, choice_token_ids: Sequence[int] | None = None) -> Columns:
     """The result columns of a run: its task's, for the model's ``head`` (``heads.Head``; without it
     only the column names are known)."""
-    if config.task == "generate":
-        return ResultSpec.of(config, choice_token_ids)
-    return PoolingSpec(config.task, head, config.raw.get("pooling") or {})
+    return config.kind.columns(config, head, choice_token_ids)
 
 
 def choice_first_tokens(tokenizer: Any, choices: list[str]) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import glob
+import hashlib
 import itertools
 import os
 from collections.abc import Iterator, Mapping
@@ -48,29 +49,33 @@ class Segment:
 
 
 def expand_parquet_patterns(patterns: list[str]) -> list[str]:
+    return expand_patterns(patterns, "input.parquet")
+
+
+def expand_patterns(patterns: list[str], key: str) -> list[str]:
     """Paths in config order; each glob's matches sorted by name.
 
     Raises:
-        InputError: a path does not exist or a glob matches nothing.
+        InputError: a path does not exist or a glob matches nothing (naming ``key``).
     """
     files: list[str] = []
     for pattern in patterns:
         if glob.has_magic(pattern):
             matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
             if not matches:
-                raise InputError(f"input.parquet: the pattern '{pattern}' matches no file")
+                raise InputError(f"{key}: the pattern '{pattern}' matches no file")
             files.extend(matches)
         elif os.path.isfile(pattern):
             files.append(pattern)
         elif os.path.exists(pattern):
-            raise InputError(f"input.parquet: '{pattern}' is not a file")
+            raise InputError(f"{key}: '{pattern}' is not a file")
         else:
-            raise InputError(f"input.parquet: no such file: '{pattern}'")
+            raise InputError(f"{key}: no such file: '{pattern}'")
     seen: set[str] = set()
     for f in files:
         key = os.path.realpath(f)
         if key in seen:
-            raise InputError(f"input.parquet: the file '{f}' is listed twice; its rows would be processed twice")
+            raise InputError(f"{key}: the file '{f}' is listed twice; its rows would be processed twice")
         seen.add(key)
     return files
 
@@ -353,13 +358,142 @@ class HFSource:
             yield batch.num_rows, batch.nbytes
 
 
-Source = ParquetSource | HFSource
+@dataclass(frozen=True)
+class BatchFileInfo:
+    """What planning records of one OpenAI Batch file: its lines, and the byte offset of every
+    ``BATCH_BLOCK``-th one (where a job starts reading a shard's lines)."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    rows: int
+    offsets: list[int] = field(default_factory=list)
+
+
+BATCH_BLOCK = 1024  # lines between two recorded offsets
+# The columns of an OpenAI Batch input's rows (shardgen.openai_batch.request_row makes them).
+BATCH_SCHEMA = pa.schema([
+    ("custom_id", pa.large_string()),
+    ("url", pa.large_string()),
+    ("messages", pa.large_list(pa.struct([("role", pa.large_string()), ("content", pa.large_string())]))),
+    ("input", pa.large_string()),
+    ("body", pa.large_string()),
+    ("request_error", pa.large_string()),
+])  # fmt: skip
+
+
+class OpenAIBatchSource:
+    """OpenAI Batch API request files (JSON Lines), a request per line, in the order given, as rows
+    (``BATCH_SCHEMA``): planning reads every line once (each must be JSON with a unique
+    ``custom_id``) and records where each block of lines starts; a job seeks to its lines."""
+
+    kind = "openai_batch"
+    schema = BATCH_SCHEMA
+
+    def __init__(self, files: list[BatchFileInfo], models: list[str] | None = None) -> None:
+        self.files = files
+        self.models = models or []  # the body.model values of the requests, when planned
+        self._offsets = list(itertools.accumulate((f.rows for f in files), initial=0))
+
+    @classmethod
+    def scan(cls, patterns: list[str]) -> OpenAIBatchSource:
+        """Read the files once: line offsets, a JSON object per line, unique custom ids, one model.
+
+        Raises:
+            InputError: naming the file and line.
+        """
+        from shardgen.openai_batch import scan_line
+
+        infos, seen, models = [], set(), set()
+        for path in expand_patterns(patterns, "input.openai_batch"):
+            offsets, rows, pos = [], 0, 0
+            st = os.stat(path)
+            with open(path, "rb") as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        if rows % BATCH_BLOCK == 0:
+                            offsets.append(pos)
+                        custom_id, model = scan_line(line, path, lineno)
+                        key = hashlib.blake2b(custom_id.encode(), digest_size=8).digest()
+                        if key in seen:
+                            raise InputError(f"input: '{path}', line {lineno}: the custom_id {custom_id!r} again")
+                        seen.add(key)
+                        models.add(model)
+                        rows += 1
+                    pos += len(line)  # an empty line is no request
+            infos.append(BatchFileInfo(path, st.st_size, st.st_mtime_ns, rows, offsets))
+        models.discard(None)
+        if len(models) > 1:
+            raise InputError(
+                f"input.openai_batch: the requests name {len(models)} models ({', '.join(sorted(models)[:5])}); "
+                "a run serves one (model.model): split the file by model"
+            )
+        return cls(infos, sorted(models))
+
+    @property
+    def num_rows(self) -> int:
+        return sum(f.rows for f in self.files)
+
+    def describe(self) -> str:
+        names = ", ".join(f"'{f.path}'" for f in self.files[:3])
+        return f"input.openai_batch ({len(self.files)} file(s): {names}{', ...' if len(self.files) > 3 else ''})"
+
+    def to_manifest(self) -> dict[str, Any]:
+        return {"kind": self.kind, "files": [asdict(f) for f in self.files], "models": self.models}
+
+    @classmethod
+    def from_manifest(cls, entry: dict[str, Any]) -> OpenAIBatchSource:
+        return cls([BatchFileInfo(**f) for f in entry["files"]], entry.get("models"))
+
+    segments = ParquetSource.segments
+    check_unchanged = ParquetSource.check_unchanged
+
+    def read(
+        self, segments: list[Segment], batch_rows: int = BATCH_ROWS, columns: list[str] | None = None
+    ) -> Iterator[pa.RecordBatch]:
+        """Stream the requests of the segments as rows, from the recorded offset before each."""
+        from shardgen.openai_batch import request_row
+
+        self.check_unchanged({s.file for s in segments})
+        schema = self.schema if columns is None else pa.schema([self.schema.field(c) for c in columns])
+        for seg in segments:
+            info = self.files[seg.file]
+            block = seg.start // BATCH_BLOCK
+            row = block * BATCH_BLOCK
+            out: list[dict[str, Any]] = []
+            with open(info.path, "rb") as f:
+                f.seek(info.offsets[block])
+                for line in f:
+                    if not line.strip():
+                        continue
+                    if row >= seg.stop:
+                        break
+                    if row >= seg.start:
+                        out.append(request_row(line))
+                        if len(out) == batch_rows:
+                            yield pa.RecordBatch.from_pylist(out, schema=schema)
+                            out = []
+                    row += 1
+            if out:
+                yield pa.RecordBatch.from_pylist(out, schema=schema)
+
+    def byte_blocks(self, columns: list[str]) -> Iterator[tuple[int, int]]:
+        """``(rows, bytes)`` of each block of lines, from the recorded offsets (the whole request's)."""
+        for info in self.files:
+            ends = [*info.offsets[1:], info.size]
+            for i, (start, end) in enumerate(zip(info.offsets, ends, strict=True)):
+                yield min(BATCH_BLOCK, info.rows - i * BATCH_BLOCK), end - start
+
+
+Source = ParquetSource | HFSource | OpenAIBatchSource
 
 
 def open_source(input_cfg: InputConfig) -> Source:
     """Open the source that ``input`` in the config names (metadata only for Parquet)."""
     if input_cfg.parquet:
         return ParquetSource.scan(list(input_cfg.parquet))
+    if input_cfg.openai_batch:
+        return OpenAIBatchSource.scan(list(input_cfg.openai_batch))
     if input_cfg.hf:
         return HFSource.open("hf", dict(input_cfg.hf))
     if input_cfg.disk:
@@ -367,7 +501,7 @@ def open_source(input_cfg: InputConfig) -> Source:
         if not Path(path).is_dir():
             raise InputError(f"input.disk: no such directory: '{path}'")
         return HFSource.open("disk", {"path": path})
-    raise InputError("input: set one of input.parquet, input.hf or input.disk")
+    raise InputError("input: set one of input.parquet, input.openai_batch, input.hf or input.disk")
 
 
 def input_signature(input_cfg: InputConfig) -> list[list[Any]]:
@@ -375,9 +509,12 @@ def input_signature(input_cfg: InputConfig) -> list[list[Any]]:
     every Snakefile parse): a file edited in place changes it, so the run plans again instead of
     refusing the changed input in every job. Paths that do not exist are left to planning to name."""
     paths: list[str] = []
-    if input_cfg.parquet:
+    if input_cfg.parquet or input_cfg.openai_batch:
         try:
-            paths = expand_parquet_patterns(list(input_cfg.parquet))
+            if input_cfg.parquet:
+                paths = expand_parquet_patterns(list(input_cfg.parquet))
+            else:
+                paths = expand_patterns(list(input_cfg.openai_batch), "input.openai_batch")
         except InputError:
             return []
     elif input_cfg.disk and os.path.isdir(input_cfg.disk):
@@ -414,6 +551,8 @@ def hf_local_files(args: Mapping[str, Any]) -> list[str]:
 def source_from_manifest(entry: dict[str, Any]) -> Source:
     if entry["kind"] == "parquet":
         return ParquetSource.from_manifest(entry)
+    if entry["kind"] == OpenAIBatchSource.kind:
+        return OpenAIBatchSource.from_manifest(entry)
     return HFSource.from_manifest(entry)
 
 

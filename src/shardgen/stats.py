@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardgen import cost
+from shardgen.tasks import KINDS
 
 BUCKET_RATIO = 1.05  # bucket width: values within a bucket differ by at most 5%
 BUCKET_MIN = 1e-4  # seconds; smaller values share the first bucket
@@ -210,7 +211,7 @@ def shard_stats(
         "row_stop": shard.stop,
         **figures,
         "error_reasons": reasons,
-        **summarize(figures, hists, task == "generate"),
+        **summarize(figures, hists, KINDS[task].generates),
         "histograms": {k: h.to_json() for k, h in hists.items()},
         **engine_stats(engine_delta or {}),
     }
@@ -315,7 +316,7 @@ class RunTotals:
         totals = dict(self.totals)
         totals["task"] = self.task
         totals["error_reasons"] = self.error_reasons
-        generates = self.task == "generate"
+        generates = KINDS[self.task].generates
         totals.update(summarize(totals, self.hists, generates))
         totals["output_tokens_per_gpu_hour"] = (
             _rate(totals["attempt_generated_tokens"], totals["gpu_hours"]) if generates else None
@@ -366,7 +367,7 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
 def summary_text(stats: dict[str, Any]) -> str:
     """A short summary for people, printed at the end of a run."""
     hit = stats["prefix_cache_hit_rate"]
-    if stats.get("task", "generate") != "generate":
+    if not KINDS[stats.get("task", "generate")].generates:
         return _pooling_summary_text(stats, hit)
     lines = [
         f"rows            {stats['rows']}  ({stats['errors']} errors"

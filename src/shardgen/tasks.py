@@ -1,9 +1,16 @@
-"""What a shard job does with its rows: the seam between the feed and the kind of output.
+"""The run's task (``config.task``): one class per kind, registered in ``KINDS``, and what a shard job
+does with its rows.
+
+A kind says what differs between tasks: the config keys that apply to it
+(``check_config``), its part of the fingerprint (``content``), its result
+columns (``columns``), whether it generates text (``generates``: sampling
+applies, stats count output tokens) or needs the model's head
+(``needs_head``: the fetch step's record, ``problems``).
 
 The feed (``feed.ShardFeed``) is the same for every task: it reads the
 shard's rows, renders and tokenizes them a batch at a time, keeps the engine
-busy, saves finished rows, counts errors and stops on a signal. A task says
-the rest:
+busy, saves finished rows, counts errors and stops on a signal. A kind's
+instance, the shard job's task, says the rest:
 
 - ``spec``: the columns a row's result adds (``results.ResultSpec``), and the
   rows of an input row that got no result (``spec.error_rows``);
@@ -11,21 +18,24 @@ the rest:
 - ``finish(row, completion)``: the output rows of an engine output, and the
   tokens it generated.
 
-Text generation (``GenerateTask``) is one implementation; the pooling tasks
+Text generation (``GenerateTask``) is one kind; the pooling tasks
 (``PoolingTask``: a classifier, a reward model, an embedding model, a
-cross-encoder) are another, with the same feed.
+cross-encoder) are the others, with the same feed.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import pyarrow as pa
 
 from shardgen import engine as eng
-from shardgen import rowsampling
-from shardgen.heads import POOLING_TASKS
-from shardgen.results import Columns, PoolingSpec, ResultSpec, Sample, choice_first_tokens
+from shardgen import heads, rowsampling
+from shardgen.errors import ConfigError
+from shardgen.results import LABEL_PROB_TYPE, Columns, PoolingSpec, ResultSpec, Sample, choice_first_tokens
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
@@ -41,15 +51,54 @@ class Finished:
     generated_tokens: int
 
 
-class Task(Protocol):
+class Task:
+    """A kind of task (``config.task``), registered in ``KINDS``; an instance is a shard job's
+    (``spec``, ``params``, ``finish``)."""
+
+    name: ClassVar[str]
+    generates: ClassVar[bool] = False
+    needs_head: ClassVar[bool] = False
+    # the keys of `pooling` that are this task's only
+    pooling_keys: ClassVar[tuple[str, ...]] = ()
     spec: Columns
 
-    def params(self, index: int, row: dict[str, Any]) -> Any: ...
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        """The keys of a config (a dict, validated against the schema) that belong to another task.
 
-    def finish(self, row: dict[str, Any], completion: Completion) -> Finished: ...
+        Raises:
+            ConfigError: naming the keys.
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def content(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The task's part of the content config (``config.content_config``)."""
+        raise NotImplementedError
+
+    @classmethod
+    def columns(cls, config: RunConfig, head: Any = None, choice_token_ids: Sequence[int] | None = None) -> Columns:
+        """The result columns of a run, for the model's ``head`` (``heads.Head``; without it only the
+        column names are known)."""
+        raise NotImplementedError
+
+    @classmethod
+    def problems(cls, head: heads.Head, model_cfg: Mapping[str, Any], pooling: Mapping[str, Any]) -> list[str]:
+        """Why the model cannot do the task, before any job (empty when it can)."""
+        return []
+
+    def params(self, index: int, row: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def finish(self, row: dict[str, Any], completion: Completion) -> Finished:
+        raise NotImplementedError
 
 
-class GenerateTask:
+# Output keys that change what a shard file holds (its columns), not just the merged file's format.
+CONTENT_OUTPUT_KEYS = ("samples", "choice_probs")
+
+
+class GenerateTask(Task):
     """Text generation: every row's request gets the run's ``SamplingParams`` (with the row's own seed
     when ``sampling.seed`` is set), and its samples become output rows (``results.ResultSpec``).
 
@@ -57,7 +106,34 @@ class GenerateTask:
         tokenizer: the engine's, which decides the labels' first tokens for ``output.choice_probs``.
     """
 
-    def __init__(self, config: RunConfig, tokenizer: eng.Tokenizer) -> None:
+    name = "generate"
+    generates = True
+
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        model, prompt = config["model"], config["prompt"]
+        if model.get("runner") == "pooling":
+            raise ConfigError("model.runner is pooling, but task is generate: set task (classify, embed, ...)")
+        pooling_keys = (("pooling", any(v is not None for v in config["pooling"].values())),
+                        ("prompt.pair_template", prompt.get("pair_template") is not None))  # fmt: skip
+        for key, given in pooling_keys:
+            if given:
+                raise ConfigError(f"{key} is set, but task is generate: it is for the pooling tasks (task: ...)")
+
+    @classmethod
+    def content(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        """Sampling and the output's columns, without ``task``: the fingerprints of generation runs made
+        before ``task`` existed stay as they were."""
+        return {
+            "sampling": config.get("sampling", {}),
+            "output": {k: config["output"].get(k) for k in CONTENT_OUTPUT_KEYS},
+        }
+
+    @classmethod
+    def columns(cls, config: RunConfig, head: Any = None, choice_token_ids: Sequence[int] | None = None) -> Columns:
+        return ResultSpec.of(config, choice_token_ids)
+
+    def __init__(self, config: RunConfig, tokenizer: eng.Tokenizer, head: Any = None) -> None:
         choices = config.sampling.choices if config.output.choice_probs else None
         self.spec = ResultSpec.of(config, choice_first_tokens(tokenizer.hf, choices) if choices else None)
         self.sampling = eng.make_sampling_params(config.sampling, self.spec.choice_token_ids)
@@ -117,10 +193,11 @@ def _sample(out: Any) -> Sample:
     return Sample(out.text, out.finish_reason, len(out.token_ids), positions, first)
 
 
-class PoolingTask:
+class PoolingTask(Task):
     """A pooling model's one result per row (``classify``, ``reward``, ``embed``, ``score``): every
     request gets its own ``PoolingParams`` with the pooling task set, and the engine's pooled
-    tensor becomes the row's columns (``results.PoolingSpec``).
+    tensor becomes the row's columns (``results.PoolingSpec``, with the kind's ``pooled_fields``
+    and ``pooled`` values).
 
     The task is set on every request: left unset, vLLM picks the per-token
     variant (``token_classify``/``token_embed``) where the model has one
@@ -131,12 +208,86 @@ class PoolingTask:
         head: the model's (``heads.Head``), which decides the columns' shapes.
     """
 
-    def __init__(self, config: RunConfig, head: Any) -> None:
-        self.spec = PoolingSpec(config.task, head, config.raw["pooling"])
-        self.vllm_task = "token_classify" if self.spec.per_token else POOLING_TASKS[config.task]
+    needs_head = True
+    # the pooling task of each request (vllm/pooling_params.py: PoolingParams.task); a per-token
+    # reward model pools every token
+    pooling_task: ClassVar[str] = "classify"
+    # whether the pooled values go through the model's activation (pooling.use_activation unset)
+    activation: ClassVar[bool] = True
+    # whether each prompt is a pair of texts (prompt.pair_template)
+    pairs: ClassVar[bool] = False
+    # whether the model's head must have one output (a reward model or cross-encoder)
+    one_output: ClassVar[bool] = False
+
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        """The keys that belong to another task; the task gets vLLM's pooling runner."""
+        task, model, prompt = cls.name, config["model"], config["prompt"]
+        if prompt.get("images"):
+            raise ConfigError(f"prompt.images are for task: generate (a vision-language model), not task: {task}")
+        if model.get("runner") == "generate":
+            raise ConfigError(f"task: {task} pools the prompt: model.runner must be pooling (or unset), not generate")
+        model["runner"] = model.get("runner") or "pooling"
+        if cls.pairs != (prompt.get("pair_template") is not None):
+            raise ConfigError(
+                f"task: {task} needs prompt.pair_template (the second text of each pair)"
+                if cls.pairs
+                else f"prompt.pair_template is for task: score, not task: {task}"
+            )
+        pooling = config["pooling"]
+        owners = {key: kind.name for kind in KINDS.values() for key in kind.pooling_keys}
+        for key in sorted(owners):
+            if pooling.get(key) is not None and owners[key] != task:
+                raise ConfigError(f"pooling.{key} is for task: {owners[key]}, not task: {task}")
+        sampling = config.get("sampling") or {}
+        if sampling.get("structured_outputs") or sampling.get("n", 1) > 1 or config["output"].get("choice_probs"):
+            raise ConfigError(f"task: {task} generates no text: drop sampling and output.choice_probs")
+
+    @classmethod
+    def content(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        return {"task": cls.name, "pooling": config.get("pooling", {})}
+
+    @classmethod
+    def columns(cls, config: RunConfig, head: Any = None, choice_token_ids: Sequence[int] | None = None) -> Columns:
+        return PoolingSpec(cls, head, config.raw.get("pooling") or {})
+
+    @classmethod
+    def problems(cls, head: heads.Head, model_cfg: Mapping[str, Any], pooling: Mapping[str, Any]) -> list[str]:
+        """A classifier, a reward model and a cross-encoder need a classification head (a per-token
+        reward model pools every token)."""
+        task, name = cls.name, model_cfg.get("model")
+        overrides = (model_cfg.get("extra") or {}).get("hf_overrides") or {}
+        if head.per_token_reward:
+            return []
+        if "classifier_from_token" not in overrides and not (head.has_head and heads.is_classifier(head)):
+            return [
+                f"task: {task} needs a model with a classification head, and {name} has none "
+                f"(architectures {list(head.architectures)}, no score/classifier weights): vLLM would run it "
+                "with an uninitialised head and every row would get a meaningless label. Use a "
+                "*ForSequenceClassification checkpoint, or task: embed"
+            ]
+        if cls.one_output and len(head.labels) != 1:
+            return [
+                f"task: {task} needs a model with one output (a reward model or cross-encoder); {name} has "
+                f"{len(head.labels)} labels {list(head.labels)[:8]}: use task: classify"
+            ]
+        return []
+
+    @classmethod
+    def pooled_fields(cls, spec: PoolingSpec) -> list[pa.Field]:
+        """The task's columns, between ``prompt_tokens`` and ``error``."""
+        raise NotImplementedError
+
+    @classmethod
+    def pooled(cls, spec: PoolingSpec, data: list[Any]) -> dict[str, Any]:
+        """The task's columns of a row whose pooled output is ``data`` (the engine's tensor as a list)."""
+        raise NotImplementedError
+
+    def __init__(self, config: RunConfig, tokenizer: eng.Tokenizer | None = None, head: Any = None) -> None:
+        self.spec = self.columns(config, head)
+        self.vllm_task = "token_classify" if self.spec.per_token else self.pooling_task
         pooling = config.pooling
-        # a reward is the model's raw score; probabilities and normalised embeddings otherwise
-        self.use_activation = pooling.use_activation if pooling.use_activation is not None else config.task != "reward"
+        self.use_activation = pooling.use_activation if pooling.use_activation is not None else self.activation
         self.dimensions = pooling.dimensions
 
     def params(self, index: int, row: dict[str, Any]) -> Any:
@@ -149,8 +300,120 @@ class PoolingTask:
         return Finished(self.spec.rows(row, completion.key, completion.prompt_tokens, data), None, 0)
 
 
+def _flat(data: list[Any]) -> list[Any]:
+    return [x for v in data for x in (v if isinstance(v, list) else [v])]
+
+
+class ClassifyTask(PoolingTask):
+    """``label``, the most likely class, and ``probs``, each class's probability as a struct with a
+    float32 field per class named by the model's ``id2label``; with ``pooling.top_k``, ``probs`` is
+    instead the k most likely classes, a list of ``{label, prob}``, most likely first."""
+
+    name = "classify"
+    pooling_keys = ("top_k",)
+
+    @classmethod
+    def problems(cls, head: heads.Head, model_cfg: Mapping[str, Any], pooling: Mapping[str, Any]) -> list[str]:
+        out = super().problems(head, model_cfg, pooling)
+        if (pooling.get("top_k") or 0) > len(head.labels):
+            out.append(f"pooling.top_k ({pooling['top_k']}) is more than the model's {len(head.labels)} labels")
+        if len(set(head.labels)) != len(head.labels):
+            out.append(
+                f"the model's id2label names a label twice ({list(head.labels)}): the probs columns need distinct names"
+            )
+        return out
+
+    @classmethod
+    def pooled_fields(cls, spec: PoolingSpec) -> list[pa.Field]:
+        probs = LABEL_PROB_TYPE if spec.top_k else pa.struct([(label, pa.float32()) for label in spec.labels])
+        return [pa.field("label", pa.string()), pa.field("probs", probs)]
+
+    @classmethod
+    def pooled(cls, spec: PoolingSpec, data: list[Any]) -> dict[str, Any]:
+        spec.expect(len(data), len(spec.labels), "class probabilities", "id2label's labels")
+        ranked = sorted(range(len(data)), key=lambda i: -data[i])
+        if spec.top_k:
+            probs: Any = [{"label": spec.labels[i], "prob": data[i]} for i in ranked[: spec.top_k]]
+        else:
+            probs = dict(zip(spec.labels, data, strict=True))
+        return {"label": spec.labels[ranked[0]], "probs": probs}
+
+
+class RewardTask(PoolingTask):
+    """``reward``, float32 (a list of float32, one per prompt token, for a per-token reward model).
+
+    A reward model is a classifier with one output (vLLM 0.32 has no "reward" task: the docstring of
+    vllm/entrypoints/pooling/offline.py: encode); its reward is the model's raw score.
+    """
+
+    name = "reward"
+    activation = False
+    one_output = True
+
+    @classmethod
+    def pooled_fields(cls, spec: PoolingSpec) -> list[pa.Field]:
+        return [pa.field("reward", pa.list_(pa.float32()) if spec.per_token else pa.float32())]
+
+    @classmethod
+    def pooled(cls, spec: PoolingSpec, data: list[Any]) -> dict[str, Any]:
+        flat = _flat(data)
+        return {"reward": flat if spec.per_token else flat[0]}
+
+
+class EmbedTask(PoolingTask):
+    """``embedding``, a fixed-size list of float32 (the Arrow type vector indexes read), of the
+    model's embedding size or ``pooling.dimensions``; normalised unless ``pooling.use_activation``
+    says otherwise."""
+
+    name = "embed"
+    pooling_task = "embed"
+    pooling_keys = ("dimensions",)
+
+    @classmethod
+    def problems(cls, head: heads.Head, model_cfg: Mapping[str, Any], pooling: Mapping[str, Any]) -> list[str]:
+        if not heads.is_classifier(head):
+            return []
+        # vLLM runs such a checkpoint as a classifier (its pooler has no embed task), so every row would
+        # be refused; convert="embed" on it picks the Transformers backend instead (docs/dev/vllm-pooling.md)
+        return [
+            f"task: embed on {model_cfg.get('model')}, a classifier ({list(head.architectures)}): vLLM serves it "
+            "only as one; use task: classify, or embed with the base model it was trained from"
+        ]
+
+    @classmethod
+    def pooled_fields(cls, spec: PoolingSpec) -> list[pa.Field]:
+        return [pa.field("embedding", pa.list_(pa.float32(), spec.dim) if spec.dim else pa.list_(pa.float32()))]
+
+    @classmethod
+    def pooled(cls, spec: PoolingSpec, data: list[Any]) -> dict[str, Any]:
+        if spec.dim:
+            spec.expect(len(data), spec.dim, "embedding values", "the declared embedding size")
+        return {"embedding": data}
+
+
+class ScoreTask(PoolingTask):
+    """``score``, float32, the cross-encoder's score of the pair of ``prompt.template`` and
+    ``prompt.pair_template``."""
+
+    name = "score"
+    pairs = True
+    one_output = True
+
+    @classmethod
+    def pooled_fields(cls, spec: PoolingSpec) -> list[pa.Field]:
+        return [pa.field("score", pa.float32())]
+
+    @classmethod
+    def pooled(cls, spec: PoolingSpec, data: list[Any]) -> dict[str, Any]:
+        return {"score": _flat(data)[0]}
+
+
+# Every task, by its name (the schema's `task` enum, in its order).
+KINDS: dict[str, type[Task]] = {
+    kind.name: kind for kind in (GenerateTask, ClassifyTask, RewardTask, EmbedTask, ScoreTask)
+}
+
+
 def make_task(config: RunConfig, tokenizer: eng.Tokenizer, head: Any) -> Task:
     """The run's task, for the running engine's tokenizer and the model's head."""
-    if config.task == "generate":
-        return GenerateTask(config, tokenizer)
-    return PoolingTask(config, head)
+    return config.kind(config, tokenizer, head)

@@ -67,9 +67,50 @@ def progress(tmp_path) -> dict:
         return {}
 
 
+TOPICS = ["the sea", "owls", "tea", "clocks", "maps", "bread", "snow", "bridges"]
+# Requests of an OpenAI batch file that are not valid: each is its row's error, named in the error file.
+INVALID_REQUESTS = {
+    7: ({"max_tokens": -1}, "body: max_tokens must be at least 1"),
+    19: ({"url": "/v1/responses"}, "url: '/v1/responses' is none of"),
+    33: ({"logit_bias": {"50": 5}}, "body.logit_bias: not a sampling field"),
+}
+
+
+def batch_run(tmp_path, rows: int) -> tuple[dict, dict[str, int]]:
+    """A one-shard run of an OpenAI batch file of ``rows`` chat requests, each with its own max_tokens,
+    temperature and seed, some not valid (INVALID_REQUESTS), with results in OpenAI's format."""
+    lines, limits = [], {}
+    for i in range(rows):
+        body = {"model": "smollm2", "messages": [{"role": "user", "content": f"Tell me about {TOPICS[i % 8]}."}],
+                "max_tokens": 8 + i % 17, "temperature": [0, 0.8][i % 2], "seed": i}  # fmt: skip
+        request = {"custom_id": f"req-{i:03d}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        change, _ = INVALID_REQUESTS.get(i, ({}, None))
+        request["url"] = change.pop("url", request["url"])
+        body.update(change)
+        limits[request["custom_id"]] = body["max_tokens"]
+        lines.append(json.dumps(request))
+    (tmp_path / "data").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "data" / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    config = workflow_config(
+        {"openai_batch": [str(tmp_path / "data" / "requests.jsonl")]},
+        shards={"rows_per_shard": rows},
+        checkpoint={"rows": 4, "seconds": 300},
+        sampling={"temperature": 0.0, "max_tokens": 24, "ignore_eos": True},
+        output={"format": "openai_batch"},
+        errors={"max_rate": 0.2},
+    )
+    del config["prompt"]  # the requests' messages are the prompts
+    config["model"].update({"max_num_seqs": 4})
+    return config, limits
+
+
 def test_kill_9_loses_only_unsaved_rows_and_a_rerun_after_the_retries_are_used_up_resumes(tmp_path):
+    """Also: an OpenAI batch file in and out, each request with its own sampling, the invalid ones in
+    the error file; the rerun keeps every request exactly once, in input order."""
+    from openai.types.chat import ChatCompletion
+
     rows = 60
-    config = one_shard_run(tmp_path, rows)
+    config, limits = batch_run(tmp_path, rows)
     run = Background(tmp_path, config, "local", "--retries", "0")
     run.wait_until(lambda: part_rows(checkpoints(tmp_path)) > 0, 300, "a checkpoint part")
     job = generate_process(tmp_path)
@@ -82,7 +123,18 @@ def test_kill_9_loses_only_unsaved_rows_and_a_rerun_after_the_retries_are_used_u
         run.wait()  # no retries left: the run stops
     # the same command again, as the README says to
     run_workflow(tmp_path, config, "local", "--retries", "0")
-    _, shard = results(tmp_path, rows)
+    out = tmp_path / "results" / "openai"
+    ok, failed = ([json.loads(x) for x in (out / n).read_text().splitlines()] for n in ("output.jsonl", "errors.jsonl"))
+    valid = [f"req-{i:03d}" for i in range(rows) if i not in INVALID_REQUESTS]
+    assert [line["custom_id"] for line in ok] == valid, "every valid request exactly once, in input order"
+    for line in ok:
+        completion = ChatCompletion.model_validate(line["response"]["body"])
+        assert completion.usage.completion_tokens == limits[line["custom_id"]], "each within its own max_tokens"
+    assert [line["custom_id"] for line in failed] == [f"req-{i:03d}" for i in INVALID_REQUESTS]
+    for line, (_, said) in zip(failed, INVALID_REQUESTS.values(), strict=True):
+        assert said in line["response"]["body"]["error"]["message"], line
+    shard = json.loads((tmp_path / "results" / "shards" / "00000.stats.json").read_text())
+    assert shard["checkpoints_discarded"] == [] and not checkpoints(tmp_path).exists()
     assert shard["rows_resumed"] == saved, "every saved row was reused"
     assert shard["attempt_requests"] == rows - saved, "the engine was sent only the unsaved rows"
     killed, finished = shard["attempts"]

@@ -4,6 +4,7 @@ with the `openai` package's own types, not a schema written here."""
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow as pa
 import pytest
@@ -106,3 +107,118 @@ def test_an_openai_batch_output_the_format_cannot_hold_is_refused(extra, said):
               "output": {"format": "openai_batch"}, **extra}  # fmt: skip
     with pytest.raises(ConfigError, match=said):
         cfg.RunConfig.from_dict(config)
+
+
+# -- input.openai_batch -------------------------------------------------------------------------------
+
+
+def request(i: int, url: str = "/v1/chat/completions", **body) -> dict:
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": f"Question {i}?"}], **body}
+    return {"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body}
+
+
+def batch_file(path, requests: list[dict], blank_every: int = 0) -> str:
+    lines = []
+    for i, r in enumerate(requests):
+        lines.append(json.dumps(r))
+        if blank_every and i % blank_every == 0:
+            lines.append("")  # an empty line is no request
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def batch_config(paths: list[str], **extra) -> cfg.RunConfig:
+    return cfg.RunConfig.from_dict({"input": {"openai_batch": paths}, "model": dict(TEST_MODEL_CFG),
+                                    "shards": {"rows_per_shard": 1000}, **extra})  # fmt: skip
+
+
+def test_a_batch_file_is_sharded_by_line_and_every_request_is_read_once_in_order(tmp_path):
+    from shardgen.plan import Manifest, build_manifest
+
+    paths = [batch_file(tmp_path / "a.jsonl", [request(i) for i in range(2500)], blank_every=700),
+             batch_file(tmp_path / "b.jsonl", [request(i) for i in range(2500, 2600)])]  # fmt: skip
+    config = batch_config(paths)
+    assert (config.input.id_column, config.input.sampling_column, config.prompt.messages_column) == (
+        "custom_id",
+        "body",
+        "messages",
+    )
+    manifest = Manifest(build_manifest(config))
+    assert manifest.data["total_rows"] == 2600 and len(manifest.shards) == 3
+    assert manifest.data["source"]["models"] == ["gpt-4o-mini"]
+    source = manifest.source()
+    batches = (b for s in manifest.shards for b in source.read(s.segments, batch_rows=128))
+    ids = [i for b in batches for i in b.column("custom_id").to_pylist()]
+    assert ids == [f"req-{i}" for i in range(2600)], "every request once, in input order, across blocks and files"
+    row = next(source.read(manifest.shards[2].segments)).to_pylist()[0]
+    assert row["messages"] == [{"role": "user", "content": "Question 2000?"}] and row["request_error"] is None
+
+
+@pytest.mark.parametrize(
+    ("lines", "said"),
+    [
+        (['{"custom_id": "a", "body": {}}', "{not json"], "'{path}', line 2: not JSON"),
+        (['{"custom_id": "a"}', '{"custom_id": "a"}'], "'{path}', line 2: the custom_id 'a' again"),
+        (['{"body": {}}'], "'{path}', line 1: a request needs a custom_id"),
+        ([json.dumps(request(0)), json.dumps(request(1, model="other"))], "the requests name 2 models"),
+    ],
+)
+def test_a_batch_file_that_cannot_be_served_is_refused_when_planning_naming_file_and_line(tmp_path, lines, said):
+    from shardgen.errors import InputError
+    from shardgen.plan import build_manifest
+
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(InputError, match=re.escape(said.format(path=path))):
+        build_manifest(batch_config([str(path)]))
+
+
+def test_a_request_that_is_not_valid_becomes_that_rows_error_naming_the_field():
+    from shardgen.errors import RowError
+    from shardgen.feed import RowInputs
+    from shardgen.openai_batch import request_row
+
+    def row(r: dict) -> dict:
+        return request_row(json.dumps(r).encode())
+
+    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    assert row(request(0, messages=[parts]))["messages"] == [{"role": "user", "content": "ab"}]
+    assert json.loads(row(request(0, max_tokens=5, seed=1))["body"]) == {"max_tokens": 5, "seed": 1}
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    assert row(request(0, messages=[image]))["request_error"] == "body.messages[0].content: only text parts are served"
+    assert row(request(0, messages=[]))["request_error"] == "body.messages: a non-empty list of messages"
+    assert row(request(0, url="/v1/responses"))["request_error"].startswith("url: '/v1/responses' is none of")
+    embedding = {"custom_id": "e", "url": "/v1/embeddings", "body": {"input": "text", "dimensions": 8}}
+    assert row(embedding)["request_error"] == "body.dimensions: not served for embeddings (it would change the result)"
+    chat = RowInputs(url="/v1/chat/completions")
+    chat.check(row(request(0)))
+    with pytest.raises(RowError, match="invalid_request: url: '/v1/embeddings', but this run serves /v1/chat"):
+        chat.check(row({**embedding, "body": {"input": "text"}}))
+
+
+def test_a_batch_input_sets_the_prompt_the_id_and_the_sampling_and_refuses_other_settings():
+    embed = cfg.RunConfig.from_dict({"task": "embed", "input": {"openai_batch": ["x.jsonl"]},
+                                     "model": {**TEST_MODEL_CFG, "runner": "pooling"}})  # fmt: skip
+    assert (embed.prompt.template, embed.prompt.chat, embed.input.sampling_column) == ("{{ input }}", False, None)
+    completions = batch_config(["x.jsonl"], prompt={"chat": False})
+    assert completions.prompt.template == "{{ input }}" and completions.input.sampling_column == "body"
+    for extra, said in [
+        ({"prompt": {"template": "{{ text }}"}}, "prompt.template: the requests of input.openai_batch are the prompts"),
+        ({"input": {"openai_batch": ["x.jsonl"], "id_column": "n"}}, "input.id_column: input.openai_batch sets it"),
+        ({"task": "classify", "model": {**TEST_MODEL_CFG, "runner": "pooling"}}, "input.openai_batch is for task"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            batch_config(["x.jsonl"], **extra)
+
+
+def test_the_planning_benchmark_runs_and_writes_its_table(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    cmd = [sys.executable, str(ROOT / "bench" / "batch_plan.py"), "--requests", "20", "60", "--out", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    result = json.loads((tmp_path / "batch_plan.json").read_text())
+    assert [r["requests"] for r in result["runs"]] == [20, 60] and result["runs"][1]["shards"] == 1
+    assert "| 60 |" in (tmp_path / "batch_plan.md").read_text()

@@ -17,6 +17,7 @@ from shardgen import config as cfg
 from shardgen import heads
 from shardgen.errors import ConfigError, ShardgenError
 from shardgen.results import PoolingSpec, result_spec
+from shardgen.tasks import KINDS
 from tests.conftest import MODEL
 from tests.unit.test_config import minimal
 
@@ -36,21 +37,21 @@ def test_a_sequence_classifier_has_a_head_with_its_labels_in_id_order(tmp_path):
                    id2label={"2": "pos", "0": "neg", "1": "neu"})  # fmt: skip
     head = heads.Head.read(d)
     assert head.labels == ("neg", "neu", "pos") and head.has_head and head.embedding_size == 8
-    assert heads.problems("classify", head, {"model": "m"}, {}) == []
+    assert KINDS["classify"].problems(head, {"model": "m"}, {}) == []
 
 
 def test_classify_on_a_model_without_a_head_is_refused_naming_it(tmp_path):
     """vLLM would load it with an uninitialised head (docs/dev/vllm-pooling.md, Q5)."""
     d = checkpoint(tmp_path, "LlamaForCausalLM", ["model.norm.weight", "lm_head.weight"])
-    (problem,) = heads.problems("classify", heads.Head.read(d), {"model": "my-lm"}, {})
+    (problem,) = KINDS["classify"].problems(heads.Head.read(d), {"model": "my-lm"}, {})
     assert "my-lm has none" in problem and "classification head" in problem
     # the same model embeds
-    assert heads.problems("embed", heads.Head.read(d), {"model": "my-lm"}, {}) == []
+    assert KINDS["embed"].problems(heads.Head.read(d), {"model": "my-lm"}, {}) == []
 
 
 def test_a_classifier_architecture_without_head_weights_is_refused_too(tmp_path):
     d = checkpoint(tmp_path, "LlamaForSequenceClassification", ["model.norm.weight"], **LABELS)
-    assert heads.problems("classify", heads.Head.read(d), {"model": "m"}, {})
+    assert KINDS["classify"].problems(heads.Head.read(d), {"model": "m"}, {})
 
 
 def test_reward_and_score_need_one_output(tmp_path):
@@ -59,20 +60,20 @@ def test_reward_and_score_need_one_output(tmp_path):
         checkpoint(tmp_path / "b", "LlamaForSequenceClassification", ["score.weight"], id2label={"0": "LABEL_0"})
     )
     for task in ("reward", "score"):
-        assert "3 labels" in heads.problems(task, three, {"model": "m"}, {})[0]
-        assert heads.problems(task, one, {"model": "m"}, {}) == []
+        assert "3 labels" in KINDS[task].problems(three, {"model": "m"}, {})[0]
+        assert KINDS[task].problems(one, {"model": "m"}, {}) == []
 
 
 def test_embed_on_a_classifier_checkpoint_is_refused(tmp_path):
     head = heads.Head.read(checkpoint(tmp_path, "LlamaForSequenceClassification", ["score.weight"], **LABELS))
-    (problem,) = heads.problems("embed", head, {"model": "clf"}, {})
+    (problem,) = KINDS["embed"].problems(head, {"model": "clf"}, {})
     assert problem.startswith("task: embed on clf, a classifier")
 
 
 def test_a_top_k_above_the_model_s_labels_is_refused(tmp_path):
     head = heads.Head.read(checkpoint(tmp_path, "LlamaForSequenceClassification", ["score.weight"], **LABELS))
-    assert "more than the model's 3 labels" in heads.problems("classify", head, {}, {"top_k": 4})[0]
-    assert heads.problems("classify", head, {}, {"top_k": 2}) == []
+    assert "more than the model's 3 labels" in KINDS["classify"].problems(head, {}, {"top_k": 4})[0]
+    assert KINDS["classify"].problems(head, {}, {"top_k": 2}) == []
 
 
 def test_the_embedding_size_is_the_last_sentence_transformers_dense_layer_s(tmp_path):
@@ -93,7 +94,7 @@ HEAD = heads.Head(("LlamaForSequenceClassification",), ("neg", "neu", "pos"), Tr
 
 
 def test_classify_gives_the_top_label_and_a_float32_probability_per_label():
-    spec = PoolingSpec("classify", HEAD)
+    spec = PoolingSpec(KINDS["classify"], HEAD)
     assert spec.names == ["row_index", "prompt_tokens", "label", "probs", "error"]
     (row,) = spec.rows({"text": "x"}, 7, 3, [0.2, 0.1, 0.7])
     assert row["label"] == "pos" and row["row_index"] == 7
@@ -103,35 +104,42 @@ def test_classify_gives_the_top_label_and_a_float32_probability_per_label():
 
 
 def test_classify_top_k_keeps_the_k_most_likely_labels_in_order():
-    spec = PoolingSpec("classify", HEAD, {"top_k": 2})
+    spec = PoolingSpec(KINDS["classify"], HEAD, {"top_k": 2})
     (row,) = spec.rows({}, 0, 3, [0.2, 0.1, 0.7])
     assert row["probs"] == [{"label": "pos", "prob": 0.7}, {"label": "neg", "prob": 0.2}]
 
 
 def test_an_output_of_another_shape_than_the_config_says_fails_the_shard_not_the_row():
     with pytest.raises(ShardgenError, match="gave 2 class probabilities per row, but the model's config.json says 3"):
-        PoolingSpec("classify", HEAD).rows({}, 0, 3, [0.5, 0.5])
+        PoolingSpec(KINDS["classify"], HEAD).rows({}, 0, 3, [0.5, 0.5])
     with pytest.raises(ShardgenError, match="gave 3 embedding values"):
-        PoolingSpec("embed", HEAD).rows({}, 0, 3, [0.0, 0.0, 1.0])
+        PoolingSpec(KINDS["embed"], HEAD).rows({}, 0, 3, [0.0, 0.0, 1.0])
 
 
 def test_embeddings_are_a_fixed_size_float32_list_of_the_model_s_or_the_truncated_size():
-    assert PoolingSpec("embed", HEAD).fields()[2].type == pa.list_(pa.float32(), 4)
-    assert PoolingSpec("embed", HEAD, {"dimensions": 2}).fields()[2].type == pa.list_(pa.float32(), 2)
+    assert PoolingSpec(KINDS["embed"], HEAD).fields()[2].type == pa.list_(pa.float32(), 4)
+    assert PoolingSpec(KINDS["embed"], HEAD, {"dimensions": 2}).fields()[2].type == pa.list_(pa.float32(), 2)
 
 
 def test_reward_and_score_are_one_float32_and_a_per_token_reward_model_gives_a_list():
-    (row,) = PoolingSpec("reward", HEAD).rows({}, 0, 3, [1.5])
-    assert row["reward"] == 1.5 and PoolingSpec("reward", HEAD).fields()[2].type == pa.float32()
+    (row,) = PoolingSpec(KINDS["reward"], HEAD).rows({}, 0, 3, [1.5])
+    assert row["reward"] == 1.5 and PoolingSpec(KINDS["reward"], HEAD).fields()[2].type == pa.float32()
     per_token = heads.Head(("Qwen2ForProcessRewardModel",), ("LABEL_0",), True, 4)
-    assert PoolingSpec("reward", per_token).fields()[2].type == pa.list_(pa.float32())
-    assert PoolingSpec("reward", per_token).rows({}, 0, 3, [[0.1], [0.2], [0.3]])[0]["reward"] == [0.1, 0.2, 0.3]
-    assert PoolingSpec("score", HEAD).rows({}, 0, 3, [0.25])[0]["score"] == 0.25
+    assert PoolingSpec(KINDS["reward"], per_token).fields()[2].type == pa.list_(pa.float32())
+    assert PoolingSpec(KINDS["reward"], per_token).rows({}, 0, 3, [[0.1], [0.2], [0.3]])[0]["reward"] == [0.1, 0.2, 0.3]
+    assert PoolingSpec(KINDS["score"], HEAD).rows({}, 0, 3, [0.25])[0]["score"] == 0.25
 
 
 def test_an_error_row_has_every_pooled_column_null():
-    (row,) = PoolingSpec("embed", HEAD).error_rows({"text": "x"}, 3, "null_value: column 'text' is null")
+    (row,) = PoolingSpec(KINDS["embed"], HEAD).error_rows({"text": "x"}, 3, "null_value: column 'text' is null")
     assert row["embedding"] is None and row["error"].startswith("null_value") and row["row_index"] == 3
+
+
+def test_the_registry_holds_each_task_the_schema_accepts_in_its_order():
+    """A task is one class, registered in tasks.KINDS by its name."""
+    assert list(KINDS) == cfg.schema()["properties"]["task"]["enum"]
+    assert all(kind.name == name for name, kind in KINDS.items())
+    assert [name for name, kind in KINDS.items() if kind.generates] == ["generate"]
 
 
 def pooling_config(**over) -> dict:
@@ -140,7 +148,7 @@ def pooling_config(**over) -> dict:
 
 def test_a_pooling_task_runs_the_pooling_runner_and_its_columns_are_reserved():
     config = cfg.RunConfig.from_dict(pooling_config())
-    assert config.model["runner"] == "pooling"
+    assert config.model["runner"] == "pooling" and config.kind is KINDS["classify"]
     assert result_spec(config).names == ["row_index", "prompt_tokens", "label", "probs", "error"]
 
 

@@ -136,7 +136,7 @@ def all_shard_outputs(wildcards):
     """What the merge reads: the shards' files (or the jobs' or workers' records), and for a pooling
     task the model record (its labels and embedding size type an output without rows).
     """
-    model = {"model_record": RUN_DIR.model_record} if RUN.task != "generate" else {}
+    model = {"model_record": RUN_DIR.model_record} if RUN.kind.needs_head else {}
     if WORKERS:
         return {
             "workers": expand(
