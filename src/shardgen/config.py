@@ -57,6 +57,7 @@ RUNTIME_MODEL_KEYS = frozenset(
 # Keys added after runs were made with this version's fingerprints: left out of them while at their
 # defaults, so that those runs' shards stay valid (the text they decide is the same).
 LATER_DEFAULTS = {
+    "input": {"sampling_column": None},
     "prompt": {"pair_template": None, "images": []},
     "model": {"runner": None, "convert": None, "pooler_config": None, "enable_lora": None, "max_lora_rank": None},
 }
@@ -388,7 +389,7 @@ def content_config(config: dict[str, Any], engine: str | None = None) -> dict[st
 
     model = {k: v for k, v in config["model"].items() if k not in RUNTIME_MODEL_KEYS}
     out = {
-        "input": {k: v for k, v in config["input"].items() if k != "allow_empty"},
+        "input": without_later_defaults("input", {k: v for k, v in config["input"].items() if k != "allow_empty"}),
         # the submission order decides speed, not text
         "prompt": without_later_defaults("prompt", {k: v for k, v in config["prompt"].items() if k != "order"}),
         "model": without_later_defaults("model", model),

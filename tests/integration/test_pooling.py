@@ -22,6 +22,9 @@ CLASSIFIER = ROOT / "models" / "classifier"
 REWARD = ROOT / "models" / "reward"
 
 
+TOPICS = ["the sea", "owls", "tea", "clocks", "maps", "bread", "snow", "bridges"]
+
+
 def pooling_run(tmp_path, task: str, model, rows: int, **sections):
     """One shard of ``rows`` unless ``shards`` says otherwise (each shard starts an engine)."""
     write_parquet(tmp_path / "data" / "in.parquet", make_rows(rows))
@@ -81,14 +84,33 @@ def test_a_classifier_killed_mid_shard_resumes_and_gives_a_label_and_probabiliti
 
 
 def test_an_embedding_model_gives_a_fixed_size_normalised_float32_vector_per_row(tmp_path):
-    rows = 30
-    run_workflow(tmp_path, pooling_run(tmp_path, "embed", MODEL, rows, shards={"rows_per_shard": 15}), "local")
-    table, stats = merged(tmp_path, rows)
+    """From an OpenAI batch file of embedding requests to OpenAI's embedding lists (the Parquet
+    output's vector column is checked from the shards, which every format is merged from)."""
+    from openai.types import CreateEmbeddingResponse
+
+    rows, bad = 30, 12  # request 12 asks for dimensions: not served, its row's error
+    requests = [{"custom_id": f"p{i:02d}", "method": "POST", "url": "/v1/embeddings",
+                 "body": {"model": "m", "input": f"A short note about {TOPICS[i % 8]}, number {i}.",
+                          **({"dimensions": 8} if i == bad else {})}} for i in range(rows)]  # fmt: skip
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    config = pooling_run(
+        tmp_path, "embed", MODEL, rows, shards={"rows_per_shard": 15}, output={"format": "openai_batch"}
+    )
+    config["input"], _ = {"openai_batch": [str(tmp_path / "data" / "in.jsonl")]}, config.pop("prompt")
+    run_workflow(tmp_path, config, "local")
+    out = tmp_path / "results" / "openai"
+    ok, failed = ([json.loads(x) for x in (out / n).read_text().splitlines()] for n in ("output.jsonl", "errors.jsonl"))
+    assert [line["custom_id"] for line in ok] == [f"p{i:02d}" for i in range(rows) if i != bad]
+    assert [line["custom_id"] for line in failed] == [f"p{bad}"] and "body.dimensions" in json.dumps(failed[0])
     hidden = json.loads((MODEL / "config.json").read_text())["hidden_size"]
-    assert table.schema.field("embedding").type == pa.list_(pa.float32(), hidden)
-    vectors = table.column("embedding").to_pylist()
-    assert all(math.isclose(math.fsum(x * x for x in v), 1.0, rel_tol=1e-4) for v in vectors), "L2-normalised"
-    assert vectors[0] != vectors[1] and stats["task"] == "embed" and stats["num_shards"] == 2
+    vectors = [CreateEmbeddingResponse.model_validate(line["response"]["body"]).data[0].embedding for line in ok]
+    assert all(len(v) == hidden and math.isclose(math.fsum(x * x for x in v), 1.0, rel_tol=1e-4) for v in vectors)
+    assert vectors[0] != vectors[1]
+    shard = pq.read_table(tmp_path / "results" / "shards" / "00000.parquet")
+    assert shard.schema.field("embedding").type == pa.list_(pa.float32(), hidden)
+    stats = json.loads((tmp_path / "results" / "stats.json").read_text())
+    assert stats["task"] == "embed" and stats["num_shards"] == 2 and stats["errors"] == 1
 
 
 def test_a_reward_model_gives_its_raw_score_per_row(tmp_path):

@@ -498,3 +498,17 @@ def test_a_yaml_alias_bomb_is_refused_before_any_walk_of_it(tmp_path):
     with pytest.raises(ConfigError, match=r"the config holds more than 100,000 values"):
         cfg.validate(minimal() | yaml.safe_load(ALIAS_BOMB))
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(
+    ("path", "fingerprint"),
+    [
+        ("config/config.yaml", "d6214d1bda39ec49"),
+        ("config/examples/classify.yaml", "0217b09a0e8c0aa5"),
+        ("config/examples/synthetic-samples.yaml", "37007f6cff2a3067"),
+    ],
+)
+def test_a_config_that_sets_no_new_key_keeps_its_fingerprint(path, fingerprint):
+    """Pinned: a key added to the schema with a default (LATER_DEFAULTS) must not rerun every existing
+    run's shards. (input.sampling_column once changed every fingerprint.)"""
+    assert cfg.RunConfig.load(ROOT / path).fingerprint_with("0.32.0") == fingerprint
