@@ -379,14 +379,20 @@ def engine_version() -> str:
     return "unknown"
 
 
+def without_later_defaults(section: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` of ``section`` less the keys added later that are at their defaults."""
+    later = LATER_DEFAULTS[section]
+    return {k: v for k, v in values.items() if k not in later or v != later[k]}
+
+
+def plan_digest(config: Mapping[str, Any], signature: list[list[Any]]) -> str:
+    """What decides the plan: the input (its config and its files' ``signature``) and the sharding."""
+    return digest([without_later_defaults("input", config["input"]), config["shards"], signature])
+
+
 def content_config(config: dict[str, Any], engine: str | None = None) -> dict[str, Any]:
     """The part of the config that decides the generated text (or pooled values), with the vLLM
     version ``engine`` (default: the one the jobs run, ``engine_version``)."""
-
-    def without_later_defaults(section: str, values: dict[str, Any]) -> dict[str, Any]:
-        later = LATER_DEFAULTS[section]
-        return {k: v for k, v in values.items() if k not in later or v != later[k]}
-
     model = {k: v for k, v in config["model"].items() if k not in RUNTIME_MODEL_KEYS}
     out = {
         "input": without_later_defaults("input", {k: v for k, v in config["input"].items() if k != "allow_empty"}),

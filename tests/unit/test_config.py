@@ -512,3 +512,8 @@ def test_a_config_that_sets_no_new_key_keeps_its_fingerprint(path, fingerprint):
     """Pinned: a key added to the schema with a default (LATER_DEFAULTS) must not rerun every existing
     run's shards. (input.sampling_column once changed every fingerprint.)"""
     assert cfg.RunConfig.load(ROOT / path).fingerprint_with("0.32.0") == fingerprint
+
+
+def test_a_config_that_sets_no_new_key_is_not_planned_again():
+    """Pinned like the fingerprints: the plan's digest (plan.smk) of the demo config, as before."""
+    assert cfg.plan_digest(cfg.RunConfig.load(ROOT / "config" / "config.yaml").raw, []) == "b1e0423f5ea0aba3"

@@ -13,9 +13,7 @@ checkpoint plan_shards:
     params:
         config=run_config,
         # replanned when the input (its config, or a file of it) or the sharding changes
-        plan=shardgen_config.digest(
-            [RUN.raw["input"], RUN.raw["shards"], input_signature(RUN.input)]
-        ),
+        plan=shardgen_config.plan_digest(RUN.raw, input_signature(RUN.input)),
     shell:
         "shardgen plan --config {params.config:q} --manifest {output.manifest:q} 2>&1 | tee {log:q}"
 
