@@ -58,7 +58,7 @@ RUNTIME_MODEL_KEYS = frozenset(
 # defaults, so that those runs' shards stay valid (the text they decide is the same).
 LATER_DEFAULTS = {
     "input": {"sampling_column": None},
-    "prompt": {"pair_template": None, "images": []},
+    "prompt": {"pair_template": None, "images": [], "chat_template_kwargs": {}},
     "model": {"runner": None, "convert": None, "pooler_config": None, "enable_lora": None, "max_lora_rank": None},
 }
 
@@ -223,6 +223,7 @@ def check_consistency(config: dict[str, Any]) -> None:
             + ". Remove them, or set model.allow_unsafe_engine_args: true if you trust this config"
         )
     check_output_dir(config["output"]["dir"])
+    check_chat_template_kwargs(prompt)
     from shardgen.prompts import PromptRenderer
 
     # compiles the template: a syntax error, or one that cannot compile, is a config error
@@ -252,6 +253,24 @@ def check_lora(config: dict[str, Any]) -> None:
         if model.get("enable_lora") is False:
             raise ConfigError("lora.adapters are declared but model.enable_lora is false")
         model["enable_lora"] = True
+
+
+# what shardgen's own call of apply_chat_template decides (engine.Tokenizer): not the config's
+TEMPLATE_CALL_KEYS = ("add_generation_prompt", "tokenize", "chat_template", "conversation", "messages", "tools")
+
+
+def check_chat_template_kwargs(prompt: Mapping[str, Any]) -> None:
+    """prompt.chat_template_kwargs: for the chat template, and none of the call's own arguments.
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    kwargs = prompt.get("chat_template_kwargs") or {}
+    if kwargs and not prompt.get("chat", True):
+        raise ConfigError("prompt.chat_template_kwargs: for the chat template, but prompt.chat is false")
+    for key in TEMPLATE_CALL_KEYS:
+        if key in kwargs:
+            raise ConfigError(f"prompt.chat_template_kwargs.{key}: shardgen sets it when it renders prompts")
 
 
 def batch_input(config: dict[str, Any]) -> None:
@@ -460,6 +479,7 @@ class PromptConfig:
     images: tuple[str, ...] = ()
     messages_column: str | None = None
     few_shot: tuple[Mapping[str, str], ...] = ()
+    chat_template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     order: str = "prefix"
     system: str | None = None
     chat: bool = True

@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -316,8 +317,9 @@ class Engine:
             self.llm = None
             self._stop_workers()
 
-    def tokenizer(self, generates: bool = True) -> Tokenizer:
-        return Tokenizer(self.llm.get_tokenizer(), self.llm.llm_engine.model_config.max_model_len, generates)
+    def tokenizer(self, generates: bool = True, chat_template_kwargs: Mapping[str, Any] | None = None) -> Tokenizer:
+        max_len = self.llm.llm_engine.model_config.max_model_len
+        return Tokenizer(self.llm.get_tokenizer(), max_len, generates, chat_template_kwargs)
 
     @property
     def max_num_seqs(self) -> int:
@@ -397,9 +399,17 @@ def row_seed(seed: int, row_key: Any) -> int:
 class Tokenizer:
     """Prompts to token ids, the way vLLM's ``chat``/``generate`` would make them, a batch at a time."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, generates: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        generates: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         self.hf = tokenizer
         self.max_model_len = max_model_len
+        # prompt.chat_template_kwargs: the template's own variables (HF passes extra kwargs to it)
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         # a prompt to generate from must leave room for a token; one to pool may fill the context
         self.max_prompt_tokens = max_model_len - 1 if generates else max_model_len
 
@@ -456,7 +466,9 @@ class Tokenizer:
         return [self._fits(x) for x in ids]
 
     def _chat_texts(self, conversations: list[list[dict[str, str]]]) -> list[str]:
-        return self.hf.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
+        return self.hf.apply_chat_template(
+            conversations, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+        )
 
     def _tokenize(self, texts: list[str | tuple[str, str]], chat: list[bool]) -> list[list[int]]:
         """Token ids of texts; a chat text already holds its template's special tokens (as

@@ -421,7 +421,7 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
         raise
     run.engine_seconds = time.time() - t0  # about 0 when the job's engine was running already
 
-    tokenizer = engine.tokenizer(generates=job.config.kind.generates)
+    tokenizer = engine.tokenizer(job.config.kind.generates, job.config.prompt.chat_template_kwargs)
     job.renderer.max_chars = tokenizer.max_prompt_chars
     task = make_task(job.config, tokenizer, job.head)
     loras = job.model_record.get("adapters") or {}

@@ -259,6 +259,19 @@ def cpu_demo_settings(model_cfg: Any, build: str) -> list[str]:
     return out
 
 
+def unused_template_kwargs(tokenizer: Any, kwargs: Mapping[str, Any]) -> list[str]:
+    """The keys of ``kwargs`` that the tokenizer's chat template never reads (vLLM drops them
+    silently too: vllm/renderers/hf.py, ``resolve_chat_template_kwargs``)."""
+    import jinja2
+    from jinja2 import meta
+
+    template = getattr(tokenizer, "chat_template", None)
+    if not kwargs or not isinstance(template, str):
+        return []
+    names = meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    return sorted(k for k in kwargs if k not in names)
+
+
 def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | None = None) -> dict[str, Any]:
     """Check the run; return the report.
 
@@ -319,7 +332,12 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
             f"context of {max_len} tokens"
         )
     hf_tokenizer = _load_tokenizer(model_cfg, record)
-    tokenizer = eng.Tokenizer(hf_tokenizer, max_len or 2**62, generates=config.kind.generates)
+    tokenizer = eng.Tokenizer(hf_tokenizer, max_len or 2**62, config.kind.generates, config.prompt.chat_template_kwargs)
+    if unused := unused_template_kwargs(hf_tokenizer, config.prompt.chat_template_kwargs):
+        notes.append(
+            f"prompt.chat_template_kwargs: the model's chat template does not use {', '.join(unused)}; "
+            "it changes nothing (a misspelt name?)"
+        )
     more_problems, more_notes = check_sampling(config, hf_tokenizer, build)
     problems += more_problems
     notes += more_notes

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardgen import config as cfg
 from shardgen.errors import ConfigError, RowError
 from shardgen.prompts import PromptRenderer
 
@@ -287,3 +290,37 @@ def test_the_render_deadline_covers_the_render_only_not_the_batch_around_it(monk
     monkeypatch.setattr(prompts, "_decode", slow_decode)
     out = PromptRenderer("Q: {{ q }}", chat=False).render_batch([{"q": "one"}, {"q": b"two"}, {"q": b"three"}])
     assert out == ["Q: one", "Q: two", "Q: three"]
+
+
+def test_chat_template_kwargs_reach_the_template_and_an_unused_one_is_named(model_dir):
+    """prompt.chat_template_kwargs, rendered by shardgen's own apply_chat_template call: a template
+    that switches a reasoning trace off (as Qwen3's does) gets the variable; one it never reads is
+    named by the preflight."""
+    from transformers import AutoTokenizer
+
+    from shardgen.engine import Tokenizer
+    from shardgen.preflight import unused_template_kwargs
+
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    hf.chat_template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>{% endif %}"
+    )
+    chat = [{"role": "user", "content": "Hi?"}]
+    assert Tokenizer(hf, 512)._chat_texts([chat]) == ["<|user|>Hi?\n<|assistant|><think>"]
+    off = Tokenizer(hf, 512, chat_template_kwargs={"enable_thinking": False})
+    assert off._chat_texts([chat]) == ["<|user|>Hi?\n<|assistant|><think></think>"]
+    assert unused_template_kwargs(hf, {"enable_thinking": False, "enable_thinkng": True}) == ["enable_thinkng"]
+
+
+def test_chat_template_kwargs_are_in_the_fingerprint_and_the_calls_own_arguments_are_refused():
+    base = {"input": {"parquet": ["x.parquet"]}, "prompt": {"template": "{{ text }}"}, "model": {"model": "m"}}
+    plain = cfg.RunConfig.from_dict(base)
+    off = cfg.RunConfig.from_dict({**base, "prompt": {"template": "{{ text }}", "chat_template_kwargs": {"x": 1}}})
+    assert off.fingerprint != plain.fingerprint and off.prompt.chat_template_kwargs == {"x": 1}
+    for prompt, said in [
+        ({"chat_template_kwargs": {"tokenize": True}}, "prompt.chat_template_kwargs.tokenize: shardgen sets it"),
+        ({"chat_template_kwargs": {"x": 1}, "chat": False}, "but prompt.chat is false"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            cfg.RunConfig.from_dict({**base, "prompt": {"template": "{{ text }}", **prompt}})
