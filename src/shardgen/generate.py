@@ -87,7 +87,7 @@ class OutOfMemory(ShardgenError):
 def shard_fingerprint(config: RunConfig, manifest: Manifest, shard: Shard) -> str:
     """Everything that decides the shard's content: its input rows and the content config."""
     src = manifest.data["source"]
-    if src["kind"] == "parquet":
+    if "files" in src:  # Parquet files, OpenAI batch files: each by its path, size and modification time
         inputs: Any = [
             {k: src["files"][s.file][k] for k in ("path", "size", "mtime_ns")} | {"start": s.start, "stop": s.stop}
             for s in shard.segments
