@@ -77,9 +77,17 @@ def stop_once(workdir: Path, moment: str) -> None:
         jobs = slurm_jobs(workdir)
     if moment != "checkpoint":  # the others stop with a job submitted (pending, running, or being submitted)
         assert jobs, where
-    assert set(jobs.values()) <= {"CANCELLED"}, f"{jobs}; {where}"
+    # A job the test node failed to start (slurmd under load: Reason=JobLaunchFailure, seen once in CI)
+    # ended by itself before the stop could cancel it; every other job was cancelled.
+    launch_failed = {j for j, state in jobs.items() if state == "FAILED" and _launch_failed(j)}
+    assert {s for j, s in jobs.items() if j not in launch_failed} <= {"CANCELLED"}, f"{jobs}; {where}"
     assert set(record["cancelled_jobs"]) <= set(jobs), where
     assert not any((workdir / ".snakemake" / "locks").glob("*")), f"Snakemake's lock was left; {where}"
+
+
+def _launch_failed(job_id: str) -> bool:
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    return "Reason=JobLaunchFailure" in shown
 
 
 @pytest.mark.parametrize("moment", MOMENTS)

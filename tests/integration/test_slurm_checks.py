@@ -101,7 +101,7 @@ def test_the_controller_runs_as_a_slurm_job_and_submits_the_generate_jobs_from_i
     import yaml
 
     from tests.conftest import ROOT
-    from tests.integration.workflow import snakemake_command
+    from tests.integration.workflow import SNAKEMAKE, snakemake_command
 
     config = one_shard(tmp_path, resources={"mem_mb": 4000, "cpus_per_task": 1, "runtime": 10})
     configfile = tmp_path / "config.yaml"
@@ -109,7 +109,7 @@ def test_the_controller_runs_as_a_slurm_job_and_submits_the_generate_jobs_from_i
     cmd, env = snakemake_command(tmp_path, configfile, "--profile", str(ROOT / "profiles" / "slurm"),
                                  "--default-resources", "slurm_partition=debug")  # fmt: skip
     script = ROOT / "profiles" / "slurm" / "controller.sbatch"
-    sbatch = ["sbatch", "--parsable", "--partition=debug", "--time=15", str(script), *cmd[1:]]
+    sbatch = ["sbatch", "--parsable", "--partition=debug", "--time=15", str(script), *cmd[len(SNAKEMAKE) :]]
     controller = subprocess.run(sbatch, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
     controller = controller.strip()
     log = tmp_path / f"shardgen-controller-{controller}.log"
