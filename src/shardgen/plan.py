@@ -49,11 +49,6 @@ def shard_id_width(num_shards: int) -> int:
     return max(5, len(str(max(num_shards - 1, 0))))
 
 
-def make_shards(source: Source, rows_per_shard: int) -> list[Shard]:
-    """Consecutive shards of ``rows_per_shard`` rows; the last takes the remainder."""
-    return shards_between(source, [*range(0, source.num_rows, rows_per_shard), source.num_rows])
-
-
 def shards_between(source: Source, cuts: list[int]) -> list[Shard]:
     """The shards from each cut (a row index) to the next, numbered in order."""
     width = shard_id_width(len(cuts) - 1)
@@ -115,10 +110,11 @@ class RowCurve:
         return min(math.ceil(x - 1e-9), self.total_rows)
 
 
-def make_balanced_shards(
-    source: Source, rows_per_shard: int, blocks: Iterable[tuple[int, int]], output_tokens: int
-) -> tuple[list[Shard], list[float]]:
-    """Shards of about equal estimated work, and the work of each (tokens).
+def balanced_cuts(
+    total: int, rows_per_shard: int, blocks: Iterable[tuple[int, int]], output_tokens: int
+) -> tuple[list[int], WorkCurve]:
+    """The cuts of shards of about equal estimated work (``shards.balance: tokens``), and the work curve
+    they follow.
 
     ``blocks``: ``(rows, prompt bytes)`` in row order (``Source.byte_blocks``);
     a row's work is its block's prompt bytes per row as tokens, plus
@@ -127,14 +123,6 @@ def make_balanced_shards(
     and none larger than ``MAX_ROWS_FACTOR × rows_per_shard`` rows (such cuts
     add shards).
     """
-    cuts, curve = balanced_cuts(source.num_rows, rows_per_shard, blocks, output_tokens)
-    return shards_between(source, cuts), shard_works(curve, cuts)
-
-
-def balanced_cuts(
-    total: int, rows_per_shard: int, blocks: Iterable[tuple[int, int]], output_tokens: int
-) -> tuple[list[int], WorkCurve]:
-    """The cuts of ``make_balanced_shards``, and the work curve they follow."""
     curve = WorkCurve(blocks, output_tokens, total)
     count = -(-total // rows_per_shard)
     target = curve.total / count
