@@ -5,7 +5,8 @@ import sys
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
 
-from shardgen import cluster, trust
+from shardgen import steps as shardgen_steps
+from shardgen import trust
 from shardgen import config as shardgen_config
 from shardgen.errors import ConfigError
 from shardgen.profile import ProfileError, unset_resources_message
@@ -37,56 +38,22 @@ except WorkflowError:
 shardgen_config.check_consistency(config)
 for warning in shardgen_config.warnings(config):
     logger.warning(f"shardgen: warning: {warning}")
-# The typed view of the validated config, for the package's functions.
-RUN = shardgen_config.RunConfig.from_dict(config)
-_container = cluster.container_multinode_problem(
-    RUN, workflow.deployment_settings.deployment_method
-)
-if _container:
-    raise ConfigError(_container)
+# A run of `steps` is this workflow once per step, each with the step's own config (steps.smk);
+# every other config is one run (run.smk).
+STEPS = shardgen_steps.step_configs(config) if config.get("steps") else []
 
 
-include: "workflow/rules/common.smk"
-include: "workflow/rules/plan.smk"
-include: "workflow/rules/preflight.smk"
-include: "workflow/rules/generate.smk"
-include: "workflow/rules/merge.smk"
-include: "workflow/rules/report.smk"
+if STEPS:
+
+    include: "workflow/rules/steps.smk"
+
+else:
+
+    include: "workflow/rules/run.smk"
 
 
+# (here: a rule all in an included file would not be the default target)
 rule all:
     default_target: True
     input:
-        rules.merge_shards.output,
-        rules.plot_stats.output,
-        rules.push_to_hub.output if RUN.output.push_to_hub else [],
-
-
-# Before the first job, never in a dry run: one run per output directory
-# (released when this process ends, however it ends); with Slurm, generate
-# jobs that no node can run are refused, and the queue is watched.
-onstart:
-    start_run()
-
-
-onsuccess:
-    end_run()
-    print_summary()
-
-
-onerror:
-    end_run()
-
-
-# Used as a module (`module shardgen: ...` and `use rule * from shardgen` in
-# another Snakefile), Snakemake keeps only the main Snakefile's handlers
-# (snakemake/workflow.py: Workflow.onstart registers a module's only in its
-# namespace): the run would hold no lock on its output directory, stop no job
-# after an error and print no summary. So they are registered here, ahead of
-# those the main Snakefile registered before its module statement.
-if not workflow.modifier.is_main_snakefile():
-    workflow._onstart = chain_handler(start_run, workflow._onstart)
-    workflow._onsuccess = chain_handler(
-        lambda: (end_run(), print_summary()), workflow._onsuccess
-    )
-    workflow._onerror = chain_handler(end_run, workflow._onerror)
+        OUTPUTS,

@@ -75,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("--stats", required=True)
     merge.add_argument("--model-record", help="the fetch step's record (a pooling task's columns need the model)")
 
+    select = sub.add_parser("select", help="a run of steps: the last step's rows after its select, and the stats")
+    select.add_argument("--config", required=True)
+    select.add_argument("--output", required=True)
+    select.add_argument("--stats", required=True)
+
     plots = sub.add_parser("plots", help="plots and a table of totals of a finished run, for the report")
     plots.add_argument("--stats", required=True, help="the merged stats JSON")
     plots.add_argument("--output", required=True, help="the merged output (only its token counts are read)")
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             from shardgen.status import main_status
 
-            out_dir = args.dir or cfg.RunConfig.load(args.configfile or "config/config.yaml").output.dir
+            out_dir = args.dir or cfg.load(args.configfile or "config/config.yaml")["output"]["dir"]
             return main_status(out_dir, args.window, args.all)
         if args.command == "engine-worker":
             from shardgen.multinode import main_worker
@@ -161,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
             from shardgen.merge import main_merge
 
             return main_merge(_load(args.config), args.manifest, args.output, args.stats, args.model_record)
+        if args.command == "select":
+            from shardgen import steps
+
+            stats = steps.finish(cfg.load(args.config), args.output, args.stats)
+            print(steps.summary_text(stats))
+            return 0
         if args.command == "plots":
             from shardgen.report import main_plots
 

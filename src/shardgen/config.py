@@ -141,6 +141,11 @@ def check_consistency(config: dict[str, Any]) -> None:
     Raises:
         ConfigError: naming the keys.
     """
+    if config.get("steps"):
+        from shardgen.steps import step_configs
+
+        step_configs(config)  # each step's config, checked as a run's
+        return
     model, sampling, prompt = config["model"], config.get("sampling", {}), config["prompt"]
     output = config["output"]
     task_kind(config).check_config(config)
@@ -320,6 +325,10 @@ def check_output_dir(path: str) -> None:
 
 def warnings(config: dict[str, Any]) -> list[str]:
     """Settings that are allowed but deserve a word before the run."""
+    if config.get("steps"):
+        from shardgen.steps import step_configs
+
+        return [f"step {c['step']['name']}: {w}" for c in step_configs(config) for w in warnings(c)]
     out = []
     sampling = config.get("sampling", {})
     if sampling.get("n", 1) > 1 and sampling.get("temperature") == 0:
@@ -457,6 +466,7 @@ class InputConfig:
     openai_batch: tuple[str, ...] | None = None
     hf: Mapping[str, Any] | None = None
     disk: str | None = None
+    step: Mapping[str, Any] | None = None
     id_column: str | None = None
     sampling_column: str | None = None
     allow_empty: bool = False
@@ -650,6 +660,8 @@ class RunConfig:
     pooling: PoolingConfig
     lora: LoraConfig
     raw: Mapping[str, Any] = dataclasses.field(repr=False, compare=False)
+    # a step of a run of steps (shardgen.steps.step_configs): its name, place and what it needs
+    step: Mapping[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> RunConfig:
@@ -672,6 +684,7 @@ class RunConfig:
             pooling=_section(PoolingConfig, raw["pooling"]),
             lora=_section(LoraConfig, raw["lora"]),
             raw=raw,
+            step=raw.get("step"),
         )
 
     @classmethod

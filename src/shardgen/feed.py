@@ -38,6 +38,7 @@ from shardgen.errors import RowError, ShardgenError, error_reason
 from shardgen.images import row_images
 from shardgen.progress import progress_bar
 from shardgen.stats import AttemptCounters
+from shardgen.steps import DROPPED
 
 if TYPE_CHECKING:
     from shardgen.config import CheckpointConfig
@@ -121,13 +122,17 @@ class RowInputs:
     adapters: Adapters | None = None
     image_columns: tuple[str, ...] = ()
     url: str | None = None
+    step: bool = False  # the input is a step's (steps.StepSource): a row it did not pass on is dropped
 
     def check(self, row: dict[str, Any]) -> None:
-        """A batch request that is not valid, or for another url, is the row's error.
+        """A row the step before did not pass on is dropped; a batch request that is not valid, or for
+        another url, is the row's error.
 
         Raises:
-            RowError: naming the field.
+            RowError: naming the field (``dropped``: the row is not this step's).
         """
+        if self.step and row.get(DROPPED) is not None:
+            raise RowError(DROPPED, row[DROPPED])
         if self.url is None:
             return
         if row.get("request_error"):
@@ -499,10 +504,13 @@ class ShardFeed:
             self.work.budget.add(c.key, finished.error)
 
     def _row_error(self, index: int, row: dict[str, Any], error: RowError, prompt_tokens: int | None = None) -> None:
-        self._finished.extend(self.task.spec.error_rows(row, index, str(error), prompt_tokens))
+        if error.reason == DROPPED:  # no error of this step's: its reason stays in the row's `dropped`
+            self._finished.extend(self.task.spec.error_rows(row, index, None))  # type: ignore[arg-type]
+        else:
+            self._finished.extend(self.task.spec.error_rows(row, index, str(error), prompt_tokens))
+            self.work.budget.add(index, str(error))
         self.counters.rows += 1
         self._bar.update(1)
-        self.work.budget.add(index, str(error))
 
     def _flush(self, now: float) -> None:
         self.work.ckpt.flush(self._finished)

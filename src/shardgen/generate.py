@@ -92,6 +92,9 @@ def shard_fingerprint(config: RunConfig, manifest: Manifest, shard: Shard) -> st
             {k: src["files"][s.file][k] for k in ("path", "size", "mtime_ns")} | {"start": s.start, "stop": s.stop}
             for s in shard.segments
         ]
+    elif src["kind"] == "step":  # the committed shard of the step before: its own fingerprint
+        source = manifest.source()
+        inputs = {"step": [source.file_fingerprint(s.file) for s in shard.segments], "start": shard.start}
     else:
         inputs = {"fingerprint": src["fingerprint"], "start": shard.start, "stop": shard.stop}
     return digest({"config": content_config(config.raw), "rows": inputs})
@@ -427,7 +430,7 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
     loras = job.model_record.get("adapters") or {}
     adapters = Adapters(job.config.lora, loras, settings.build) if job.config.lora.adapters else None
     url = expected_url(job.config.task, job.config.prompt.chat) if job.config.input.openai_batch else None
-    inputs = RowInputs(adapters, job.config.prompt.images, url)
+    inputs = RowInputs(adapters, job.config.prompt.images, url, step=job.config.input.step is not None)
     feed = ShardFeed(job.work(), task, tokenizer, llm, stop, counters, window, inputs)
     before = engine.counters()
     t1 = time.time()

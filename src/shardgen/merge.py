@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from shardgen import __version__, cost, formats, heads
@@ -30,6 +31,7 @@ from shardgen.plan import Manifest
 from shardgen.results import result_spec
 from shardgen.rundir import RunDir
 from shardgen.stats import RunTotals, summary_text
+from shardgen.steps import DROPPED
 
 BATCH_ROWS = 8192
 
@@ -167,10 +169,11 @@ def _no_paths(value: Any) -> Any:
 
 
 def _batches(
-    manifest: Manifest, run_dir: RunDir, checked: dict[str, tuple[int, ...]]
+    manifest: Manifest, run_dir: RunDir, checked: dict[str, tuple[int, ...]], dropped: list[int] | None = None
 ) -> Iterator[tuple[pa.Schema, pa.RecordBatch]]:
     """The shards' rows, from the very files ``_check_shards`` checked: a file replaced since (another
-    run committing the shard) stops the merge, which then writes nothing."""
+    run committing the shard) stops the merge, which then writes nothing. A later step of a run of
+    steps (``dropped`` given) leaves out the rows the step before did not pass on, and counts them."""
     for shard in manifest.shards:
         path = run_dir.shard_file(shard.id)
         with open(path, "rb") as f:
@@ -181,7 +184,13 @@ def _batches(
                 )
             pf = pq.ParquetFile(f)
             schema = pf.schema_arrow.remove_metadata()
-            yield from ((schema, batch) for batch in pf.iter_batches(batch_size=BATCH_ROWS))
+            if dropped is None:
+                yield from ((schema, batch) for batch in pf.iter_batches(batch_size=BATCH_ROWS))
+                continue
+            for batch in pf.iter_batches(batch_size=BATCH_ROWS):
+                kept = batch.filter(pc.is_null(batch.column(DROPPED)))
+                dropped[0] += batch.num_rows - kept.num_rows
+                yield schema.remove(schema.get_field_index(DROPPED)), kept.drop_columns([DROPPED])
 
 
 def merge(
@@ -210,16 +219,21 @@ def merge(
         from shardgen.fetch import load_record
 
         head = heads.read_for(load_record(model_record)) if model_record and config.kind.needs_head else None
-        return result_spec(config, head).schema(manifest.source().schema).remove_metadata()
+        schema = result_spec(config, head).schema(manifest.source().schema).remove_metadata()
+        return schema.remove(schema.get_field_index(DROPPED)) if config.input.step else schema
 
     output = Path(output)
     with Dir.open(output.parent) as d:  # what a killed merge left: this merge is the output's one writer
         for name in (output.name, f"{output.name}{formats.PROVENANCE_SUFFIX}", Path(stats_path).name):
             d.remove_leftovers(name)
+    dropped = [0] if config.input.step else None
     formats.write(
-        config.output.format, output, _batches(manifest, run_dir, checked), empty, prov, config.input.id_column
-    )
+        config.output.format, output, _batches(manifest, run_dir, checked, dropped), empty, prov,
+        config.input.id_column,
+    )  # fmt: skip
     stats = run.result()
+    if dropped is not None:  # rows the step before did not pass on: not this step's rows
+        stats["rows_not_passed_on"] = dropped[0]
     stats["cost"] = cost.run_cost(stats, config.cost)
     for shard in stats["shards"]:
         shard["cost"] = cost.shard_cost(shard, config.cost)

@@ -210,6 +210,10 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
     """
     from shardgen.prompts import PromptRenderer
 
+    if config.input.step:
+        from shardgen.steps import step_manifest
+
+        return step_manifest(config)
     source = open_source(config.input)
     renderer = PromptRenderer.from_config(config.prompt)
     check_columns(config, source.schema, source.describe())

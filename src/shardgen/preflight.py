@@ -292,8 +292,11 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     model_cfg, sampling = config.model, config.sampling
     max_rate = config.errors.max_rate
 
-    # The input: as planned, and ids that identify rows.
-    source.check_unchanged()
+    # The input: as planned, and ids that identify rows. A later step of a run of steps reads rows the
+    # step before makes after this check: its columns are checked below, its rows by its jobs.
+    later_step = config.input.step is not None
+    if not later_step:
+        source.check_unchanged()
     if config.input.id_column:
         problems += check_ids(source, manifest, config.input.id_column)
 
@@ -346,7 +349,7 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     renderer = PromptRenderer.from_config(config.prompt)
     if max_len is not None:
         renderer.max_chars = tokenizer.max_prompt_chars
-    sample = sample_rows(source, manifest, config.preflight.sample_rows)
+    sample = [] if later_step else sample_rows(source, manifest, config.preflight.sample_rows)
     lengths: list[int] = []
     reasons: dict[str, int] = {}
     first_error: dict[str, str] = {}

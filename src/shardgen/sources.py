@@ -480,7 +480,7 @@ class OpenAIBatchSource:
                 yield min(BATCH_BLOCK, info.rows - i * BATCH_BLOCK), end - start
 
 
-Source = ParquetSource | HFSource | OpenAIBatchSource
+Source = ParquetSource | HFSource | OpenAIBatchSource  # or steps.StepSource: a step's input
 
 
 def open_source(input_cfg: InputConfig) -> Source:
@@ -548,6 +548,10 @@ def source_from_manifest(entry: dict[str, Any]) -> Source:
         return ParquetSource.from_manifest(entry)
     if entry["kind"] == OpenAIBatchSource.kind:
         return OpenAIBatchSource.from_manifest(entry)
+    if entry["kind"] == "step":
+        from shardgen.steps import StepSource
+
+        return StepSource.from_manifest(entry)
     return HFSource.from_manifest(entry)
 
 

@@ -283,6 +283,12 @@ def format_status(st: RunStatus, slowest: int = 5) -> str:
     return "\n".join(lines)
 
 
+def step_dirs(out_dir: str) -> list[Path]:
+    """The steps of a run of steps that have planned, in their order (each plans after the one before)."""
+    manifests = sorted(Path(out_dir).glob("steps/*/plan/manifest.json"), key=lambda p: p.stat().st_mtime_ns)
+    return [m.parent.parent for m in manifests]
+
+
 def _dur(seconds: float) -> str:
     seconds = max(seconds, 0)
     if seconds < 90:
@@ -293,6 +299,12 @@ def _dur(seconds: float) -> str:
 
 
 def main_status(out_dir: str, window_min: float, all_running: bool) -> int:
+    steps = step_dirs(out_dir)
+    if steps:  # a run of steps: each step's shards (shardgen.steps)
+        for step in steps:
+            print(f"step {step.name}:", flush=True)
+            main_status(str(step), window_min, all_running)
+        return 0
     try:
         st = read_status(out_dir, window_min * 60)
     except FileNotFoundError:

@@ -41,6 +41,10 @@ MULTINODE_RESOURCES = (
 )
 PER_JOB = RUN.shards.per_job
 WORKERS = RUN.shards.workers
+# A later step of a run of steps plans from the step before it, and its shard i reads that step's
+# committed shard i (shardgen.steps); every step's generate jobs wait for every step's preflight.
+STEP_BEFORE = RunDir(RUN.input.step["dir"]) if RUN.input.step else None
+STEP_PREFLIGHTS = RUN.step["preflights"] if RUN.step else []
 
 
 def run_config(wildcards, output):
@@ -155,6 +159,17 @@ def all_shard_outputs(wildcards):
         "stats": expand(str(RUN_DIR.shard_stats("{shard}")), shard=ids),
         **model,
     }
+
+
+def step_before_shard(wildcards):
+    """A later step of a run of steps: the same shard of the step before it, committed (a run of
+    steps has a job per shard: shardgen.steps.step_configs)."""
+    if STEP_BEFORE is None:
+        return []
+    return [
+        STEP_BEFORE.shard_file(wildcards.shard),
+        STEP_BEFORE.shard_stats(wildcards.shard),
+    ]
 
 
 def generate_args(wildcards, output):

@@ -5,8 +5,10 @@
 rule generate_shard:
     input:
         manifest=rules.plan_shards.output.manifest,
-        # no GPU job starts before the run passed its checks
+        # no GPU job starts before the run passed its checks (a run of steps: every step's)
         preflight=rules.preflight.output.report,
+        preflights=STEP_PREFLIGHTS,
+        step_before=step_before_shard,
     output:
         parquet=RUN_DIR.shard_file("{shard}"),
         stats=RUN_DIR.shard_stats("{shard}"),

@@ -3,6 +3,11 @@
 
 
 checkpoint plan_shards:
+    input:
+        # a later step of a run of steps: the plan and the model of the step before it
+        step_before=(
+            [STEP_BEFORE.manifest, STEP_BEFORE.model_record] if STEP_BEFORE else []
+        ),
     output:
         manifest=RUN_DIR.manifest,
     log:

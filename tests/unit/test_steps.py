@@ -1,0 +1,129 @@
+"""Runs of steps (shardgen.steps): the steps' configs, which rows a step passes on, and how the next
+step reads them. The whole run, with the real engine and Slurm: tests/integration/test_workflow.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pyarrow as pa
+import pytest
+
+from shardgen import config as cfg
+from shardgen import steps
+from shardgen.errors import ConfigError, InputError
+
+
+@pytest.fixture
+def chain(parquet_files, model_dir, tmp_path):
+    """generate 4 samples, then score them with a reward model and keep the best."""
+    return {
+        "input": {"parquet": [str(p) for p in parquet_files]},
+        "model": {"model": str(model_dir), "max_model_len": 512},
+        "output": {"dir": str(tmp_path / "out"), "format": "jsonl"},
+        "shards": {"rows_per_shard": 2},
+        "steps": [
+            {"name": "draft", "prompt": {"template": "{{ topic }}"}, "sampling": {"n": 4, "seed": 1, "max_tokens": 8}},
+            {
+                "name": "judge",
+                "task": "reward",
+                "prompt": {"template": "{{ topic }} {{ generation }}", "chat": False},
+                "select": {"best_of": {"by": "reward"}},
+            },
+        ],
+    }
+
+
+def test_step_configs_are_runs_of_their_own_chained_by_fingerprint(chain, tmp_path):
+    draft, judge = steps.step_configs(chain)
+    assert draft["output"]["dir"] == str(tmp_path / "out" / "steps" / "draft")
+    assert draft["output"]["format"] == "parquet", "a step's own output is Parquet; the run's is output.format"
+    assert draft["input"]["parquet"] == chain["input"]["parquet"]
+    assert judge["task"] == "reward" and judge["model"]["model"] == draft["model"]["model"], "a section it omits"
+    before = judge["input"]["step"]
+    assert before["dir"] == draft["output"]["dir"] and before["name"] == "draft"
+    assert before["fingerprint"] == cfg.content_fingerprint(draft)
+    assert (draft["step"]["group"], judge["step"]["group"]) == (1, 4), "the judge's rows: 4 per input row"
+    assert judge["step"]["previous_config"].endswith(f"{cfg.digest(draft)}.json")
+    assert draft["step"]["preflights"] == judge["step"]["preflights"] and len(draft["step"]["preflights"]) == 2
+
+    # a change of the judge's prompt changes the judge's fingerprint only; of the draft's, both
+    other = copy.deepcopy(chain)
+    other["steps"][1]["prompt"]["template"] = "{{ generation }}"
+    d2, j2 = steps.step_configs(other)
+    assert cfg.content_fingerprint(d2) == cfg.content_fingerprint(draft)
+    assert cfg.content_fingerprint(j2) != cfg.content_fingerprint(judge)
+    other = copy.deepcopy(chain)
+    other["steps"][0]["sampling"]["seed"] = 2
+    d3, j3 = steps.step_configs(other)
+    assert cfg.content_fingerprint(d3) != cfg.content_fingerprint(draft)
+    assert cfg.content_fingerprint(j3) != cfg.content_fingerprint(judge)
+
+
+def test_bad_steps_are_refused_naming_the_step(chain):
+    bad = copy.deepcopy(chain)
+    bad["steps"][1]["sampling"] = {"max_tokens": 8, "nope": 1}
+    bad["steps"][1]["task"] = "generate"
+    with pytest.raises(ConfigError, match=r"steps\[1\] \(judge\): unknown key 'sampling.nope'"):
+        cfg.validate(bad)
+    bad = copy.deepcopy(chain)
+    bad["steps"][0]["select"] = {"pairs": {"by": "reward"}}
+    with pytest.raises(ConfigError, match=r"steps\[0\] \(draft\).select.pairs: pairs end a run"):
+        cfg.validate(bad)
+    bad = copy.deepcopy(chain)
+    bad["steps"][1]["select"] = {"keep_if": "reward >"}
+    with pytest.raises(ConfigError, match="keep_if: 'reward >' is not a Jinja expression"):
+        cfg.validate(bad)
+    bad = copy.deepcopy(chain)
+    bad["shards"]["workers"] = 2
+    with pytest.raises(ConfigError, match="drop shards.workers"):
+        cfg.validate(bad)
+    bad = copy.deepcopy(chain)
+    bad["steps"][1]["name"] = "draft"
+    with pytest.raises(ConfigError, match="two steps named 'draft'"):
+        cfg.validate(bad)
+
+
+def _judged(rewards: list[float | None], errors: list[str | None] | None = None) -> pa.Table:
+    n = len(rewards)
+    return pa.table({
+        "topic": [f"q{i // 4}" for i in range(n)],
+        "row_index": list(range(n)),
+        "reward": pa.array(rewards, pa.float32()),
+        "error": pa.array(errors or [None] * n, pa.string()),
+    })  # fmt: skip
+
+
+def test_best_of_keeps_the_best_sample_of_each_input_row():
+    table = _judged([0.1, 0.9, 0.5, 0.3, -1.0, -2.0, None, -0.5], [None, None, None, None, None, None, None, "boom"])
+    reasons = steps.dropped_reasons(table, "judge", {"best_of": {"by": "reward"}}, group=4)
+    assert [r is None for r in reasons] == [False, True, False, False, True, False, False, False]
+    assert reasons[7] == "step judge: error" and "not the highest reward" in reasons[0]
+    lowest = steps.dropped_reasons(table, "judge", {"best_of": {"by": "reward", "lowest": True}}, group=4)
+    assert [i for i, r in enumerate(lowest) if r is None] == [0, 5]
+    kept, dropped = steps.selected(table, "judge", {"best_of": {"by": "reward"}}, 4)
+    assert kept.column("row_index").to_pylist() == [1, 4] and dropped == 6
+
+
+def test_pairs_and_keep_if():
+    table = _judged([0.1, 0.9, 0.5, 0.3, 1.0, 1.0, 1.0, 1.0])
+    pairs, dropped = steps.selected(table, "judge", {"pairs": {"by": "reward"}}, 4)
+    chosen, rejected = pairs.column("chosen").to_pylist(), pairs.column("rejected").to_pylist()
+    assert [(c["row_index"], r["row_index"]) for c, r in zip(chosen, rejected, strict=True)] == [(1, 0)]
+    assert dropped == 6, "the second input row's samples all tie: no pair"
+    kept, dropped = steps.selected(table, "judge", {"keep_if": "reward > 0.4 and topic == 'q0'"}, 4)
+    assert kept.column("row_index").to_pylist() == [1, 2] and dropped == 6
+    with pytest.raises(InputError, match="select by 'score': no such column"):
+        steps.selected(table, "judge", {"best_of": {"by": "score"}}, 4)
+    with pytest.raises(InputError, match="keep_if 'missing > 1' failed on row 0"):
+        steps.selected(table, "judge", {"keep_if": "missing > 1"}, 4)
+
+
+def test_the_next_step_reads_content_columns_renamed_where_it_writes_them_too():
+    written = pa.schema([
+        ("topic", pa.string()), ("row_index", pa.int64()), ("sample_index", pa.int32()), ("generation", pa.string()),
+        ("finish_reason", pa.string()), ("prompt_tokens", pa.int32()), ("generated_tokens", pa.int32()),
+        ("error", pa.string()),
+    ])  # fmt: skip
+    schema, names = steps.passed_columns(written, ["row_index", "generation", "finish_reason", "error"], "draft")
+    assert schema.names == ["topic", "sample_index", "draft_generation", "dropped"]
+    assert names == {"topic": "topic", "sample_index": "sample_index", "draft_generation": "generation"}
