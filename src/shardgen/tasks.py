@@ -240,7 +240,8 @@ class PoolingTask(Task):
             if pooling.get(key) is not None and owners[key] != task:
                 raise ConfigError(f"pooling.{key} is for task: {owners[key]}, not task: {task}")
         sampling = config.get("sampling") or {}
-        if sampling.get("structured_outputs") or sampling.get("n", 1) > 1 or config["output"].get("choice_probs"):
+        text_keys = ("structured_outputs", "reasoning_parser", "thinking_token_budget")
+        if any(sampling.get(k) for k in text_keys) or sampling.get("n", 1) > 1 or config["output"].get("choice_probs"):
             raise ConfigError(f"task: {task} generates no text: drop sampling and output.choice_probs")
 
     @classmethod
