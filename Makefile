@@ -12,7 +12,7 @@ RUN := PATH=$(BIN):$$PATH VLLM_CPU_NUM_OF_RESERVED_CPU=0
 .PHONY: setup demo test lint format slurm bench clean
 
 TEST_MODELS := models/toy/config.json models/classifier/config.json models/reward/config.json \
-	models/vlm/config.json models/lora/adapter_config.json
+	models/vlm/config.json models/lora/adapter_config.json models/reasoner/config.json
 
 setup: $(VENV)/.installed $(MODEL)/config.json $(TEST_MODELS) $(DEMO_DATA)/part-0.parquet
 
@@ -24,7 +24,8 @@ $(MODEL)/config.json: | $(VENV)/.installed
 	$(BIN)/python scripts/make_demo_model.py $(MODEL)
 
 # Small models made from the demo model (no download): the toy model of the feed benchmark, a
-# classifier, a reward model, a vision-language model and a LoRA adapter (scripts/make_test_models.py).
+# classifier, a reward model, a vision-language model, a LoRA adapter and a reasoning model
+# (scripts/make_test_models.py).
 models/%/config.json models/%/adapter_config.json: scripts/make_test_models.py | $(MODEL)/config.json
 	$(BIN)/python scripts/make_test_models.py $(MODEL) models $*
 

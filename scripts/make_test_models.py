@@ -16,6 +16,12 @@
 - ``lora``: a LoRA adapter of the demo model (rank 8 on the attention
   projections, random weights, made with ``peft``), large enough to change
   what the model generates.
+- ``reasoner``: the toy model with ``<think>``/``</think>`` as single,
+  non-special tokens whose (tied) embedding rows are zero, and a chat template
+  whose generation prompt opens ``<think>`` (``<think></think>`` with
+  ``enable_thinking: false``, Qwen3's switch): greedy decoding never picks a
+  marker, so every ``</think>`` in its output was forced by
+  ``thinking_token_budget`` (docs/dev/vllm-reasoning.md, section 6).
 
 The demo model itself is the embedding model (``task: embed``: vLLM pools its
 last token).
@@ -256,12 +262,62 @@ def make_vlm(demo: Path, out: Path, *, seed: int = 0, dtype: str = "float32") ->
     processor.save_pretrained(str(out))  # tokenizer + image processor + chat template
 
 
+THINK_START, THINK_END = "<think>", "</think>"
+# The demo template with Qwen3's switch: the generation prompt ends exactly on the start marker, so a
+# thinking budget of N gives N trace tokens (vllm/v1/sample/thinking_budget_state.py counts prompt
+# tokens after the marker against the budget).
+REASONER_TEMPLATE_END = (
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think></think>' }}"
+    "{% else %}{{ '<think>' }}{% endif %}{% endif %}"
+)
+
+
+def make_reasoner(demo: Path, out: Path) -> None:
+    """The toy model's shape (seed 0) on the demo tokenizer plus the two markers as single, non-special
+    tokens (kept in the detokenized text, as real Qwen3/R1 tokenizers keep them), their embedding rows
+    zero: their logits are exactly 0, below the random model's greedy pick at every step."""
+    import torch
+    from transformers import AddedToken, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (THINK_START, THINK_END)])
+    for t in (THINK_START, THINK_END):  # each must be ONE token
+        assert len(tok.encode(t, add_special_tokens=False)) == 1, t
+    template = (demo / "chat_template.jinja").read_text()
+    head, sep, _ = template.rpartition("{% if add_generation_prompt %}")
+    assert sep, "the demo chat template has no generation prompt"
+    tok.chat_template = head + REASONER_TEMPLATE_END
+    config = AutoConfig.from_pretrained(demo)
+    config.update(
+        {
+            "num_hidden_layers": 1,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 1,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "vocab_size": len(tok),
+        }
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for t in (THINK_START, THINK_END):
+            model.get_input_embeddings().weight[tok.convert_tokens_to_ids(t)] = 0.0
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    if (demo / "generation_config.json").exists():
+        shutil.copy(demo / "generation_config.json", out / "generation_config.json")
+
+
 BUILDERS = {
     "toy": make_toy,
     "classifier": lambda demo, out: make_head(demo, out, ["negative", "neutral", "positive"]),
     "reward": lambda demo, out: make_head(demo, out, ["reward"]),
     "lora": make_lora,
     "vlm": make_vlm,
+    "reasoner": make_reasoner,
 }
 
 

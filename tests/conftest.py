@@ -36,6 +36,17 @@ def model_dir() -> Path:
     return MODEL
 
 
+REASONER = ROOT / "models" / "reasoner"
+
+
+@pytest.fixture(scope="session")
+def reasoner_dir() -> Path:
+    """The reasoning test model (scripts/make_test_models.py: ``make_reasoner``)."""
+    if not (REASONER / "config.json").exists():
+        pytest.fail(f"the reasoning test model is missing at {REASONER}: run `make setup`")
+    return REASONER
+
+
 def make_rows(n: int, start: int = 0) -> list[dict[str, Any]]:
     topics = ["the sea", "owls", "tea", "clocks", "maps", "bread", "snow", "bridges"]
     return [{"id": f"r{i:05d}", "topic": topics[i % len(topics)], "n": i} for i in range(start, start + n)]

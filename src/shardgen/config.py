@@ -201,13 +201,18 @@ def check_consistency(config: dict[str, Any]) -> None:
         structured["json"] = trust.read_json_schema(structured["json"])
     if "json" in structured:
         trust.check_json_schema(structured["json"])
+    check_reasoning(config)
     if "choice" in structured and max_tokens is not None:
-        # under a grammar a label may be spelt one byte per token: only this bound never cuts one
+        # under a grammar a label may be spelt one byte per token: only this bound never cuts one; a
+        # thinking budget comes first, and its end marker (one token at least)
         longest = max(structured["choice"], key=lambda label: len(label.encode()))
-        if max_tokens < len(longest.encode()):
+        budget = sampling.get("thinking_token_budget")
+        need = len(longest.encode()) + (budget + 1 if budget is not None else 0)
+        if max_tokens < need:
+            trace = f" after a trace of sampling.thinking_token_budget ({budget}) and its end marker" if budget else ""
             raise ConfigError(
-                f"sampling.max_tokens ({max_tokens}) can cut the label {longest!r} short: structured outputs may "
-                f"spell a label one byte per token; set sampling.max_tokens to at least {len(longest.encode())} "
+                f"sampling.max_tokens ({max_tokens}) can cut the label {longest!r} short{trace}: structured outputs "
+                f"may spell a label one byte per token; set sampling.max_tokens to at least {need} "
                 "(it costs nothing, generation stops when the label is complete)"
             )
     if output.get("choice_probs") and "choice" not in structured:
@@ -236,6 +241,27 @@ def check_consistency(config: dict[str, Any]) -> None:
         prompt.get("template"), prompt.get("system"), prompt.get("chat", True), prompt.get("few_shot"),
         prompt.get("messages_column"), prompt.get("pair_template"), prompt.get("images"),
     )  # fmt: skip
+
+
+def check_reasoning(config: dict[str, Any]) -> None:
+    """``sampling.reasoning_parser`` and ``sampling.thinking_token_budget`` (the parser's name is checked
+    against the installed vLLM by the preflight: importing vLLM's registry takes seconds, and the
+    controller's environment may have no vLLM).
+
+    Raises:
+        ConfigError: naming the keys.
+    """
+    sampling, extra = config.get("sampling", {}), config["model"].get("extra") or {}
+    if "reasoning_parser" in extra:
+        raise ConfigError(
+            "model.extra.reasoning_parser: set sampling.reasoning_parser instead; shardgen then gives it to the "
+            "engine and splits each generation into its reasoning and its answer"
+        )
+    if sampling.get("thinking_token_budget") is not None and not sampling.get("reasoning_parser"):
+        raise ConfigError(
+            "sampling.thinking_token_budget needs sampling.reasoning_parser: vLLM counts the trace between the "
+            "parser's start and end markers, and refuses every request with a budget without one"
+        )
 
 
 def check_lora(config: dict[str, Any]) -> None:
@@ -331,6 +357,12 @@ def warnings(config: dict[str, Any]) -> list[str]:
         return [f"step {c['step']['name']}: {w}" for c in step_configs(config) for w in warnings(c)]
     out = []
     sampling = config.get("sampling", {})
+    budget, max_tokens = sampling.get("thinking_token_budget"), sampling.get("max_tokens")
+    if budget is not None and max_tokens is not None and budget >= max_tokens:
+        out.append(
+            f"sampling.thinking_token_budget ({budget}) is not below sampling.max_tokens ({max_tokens}): a row "
+            "that thinks that long gets no answer (error reasoning_unfinished)"
+        )
     if sampling.get("n", 1) > 1 and sampling.get("temperature") == 0:
         out.append(f"sampling.n is {sampling['n']} with temperature 0 (greedy): every sample of a row will be the same")
     for item in trust.unsafe_engine_args(config["model"]):
@@ -628,6 +660,15 @@ class SamplingConfig(Arguments):
     @property
     def logprobs(self) -> int | None:
         return self._data.get("logprobs")
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        """vLLM's reasoning parser (an engine argument, ``EngineSettings.for_job``)."""
+        return self._data.get("reasoning_parser")
+
+    @property
+    def thinking_token_budget(self) -> int | None:
+        return self._data.get("thinking_token_budget")
 
 
 def _section(cls: type, data: Mapping[str, Any]) -> Any:

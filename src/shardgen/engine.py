@@ -158,6 +158,8 @@ class EngineSettings:
                 problems += gpus.check_batch_invariance(devices)
         if problems:
             raise WrongGpus("this job cannot run on the GPUs it got:\n  - " + "\n  - ".join(problems))
+        if config.sampling.reasoning_parser:  # an engine argument, under sampling: it decides the columns
+            settings["reasoning_parser"] = config.sampling.reasoning_parser
         if config.prompt.images:  # vLLM's per-prompt limit (default 1 image), from the columns
             settings["limit_mm_per_prompt"] = {"image": len(config.prompt.images)}
         notes = gpus.gpu_warnings(devices, settings["kv_cache_dtype"], build)
@@ -362,8 +364,8 @@ ENGINE_COUNTERS = {
 # -- Sampling -------------------------------------------------------------------------------------
 
 # Keys of `sampling` in the config that shardgen handles itself rather than
-# passing to SamplingParams as they are.
-_OWN_SAMPLING_KEYS = {"structured_outputs", "seed"}
+# passing to SamplingParams as they are (reasoning_parser is an engine argument).
+_OWN_SAMPLING_KEYS = {"structured_outputs", "seed", "reasoning_parser"}
 
 
 def make_sampling_params(sampling_cfg: Any, choice_token_ids: list[int] | None = None):

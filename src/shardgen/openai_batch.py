@@ -51,6 +51,7 @@ def _samples(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     first = rows[0]
     if len(rows) == 1 and isinstance(first.get("generation"), list):
         keys = ("generation", "finish_reason", "generated_tokens")
+        keys += tuple(k for k in ("reasoning", "reasoning_tokens") if k in first)  # sampling.reasoning_parser
         return [dict(zip(keys, values, strict=True)) for values in zip(*(first[k] for k in keys), strict=True)]
     return rows
 
@@ -80,6 +81,9 @@ def result_line(rows: list[dict[str, Any]], task: str, model: str, created: int,
         if unfinished:
             return _error(line, index, f"unfinished: the generation ended with finish_reason {unfinished[0]!r}")
         completion = sum(s.get("generated_tokens") or 0 for s in samples)
+        # a reasoning model's trace, as vLLM's server gives it (vllm/entrypoints/openai/chat_completion/
+        # protocol.py: ChatMessage.reasoning; serving.py: completion_tokens_details.reasoning_tokens)
+        reasons = "reasoning_tokens" in first
         body = {
             "id": f"chatcmpl-{index}",
             "object": "chat.completion",
@@ -88,7 +92,8 @@ def result_line(rows: list[dict[str, Any]], task: str, model: str, created: int,
             "choices": [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": s["generation"], "refusal": None},
+                    "message": {"role": "assistant", "content": s["generation"], "refusal": None}
+                    | ({"reasoning": s.get("reasoning")} if reasons else {}),
                     "finish_reason": s["finish_reason"],
                     "logprobs": None,
                 }
@@ -98,7 +103,16 @@ def result_line(rows: list[dict[str, Any]], task: str, model: str, created: int,
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion,
-            },
+            }
+            | (
+                {
+                    "completion_tokens_details": {
+                        "reasoning_tokens": sum(s.get("reasoning_tokens") or 0 for s in samples)
+                    }
+                }
+                if reasons
+                else {}
+            ),
         }
     return {**line, "response": {"status_code": 200, "request_id": f"req_{index}", "body": body}}
 

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardgen import engine as eng
-from shardgen import heads, jobenv, lora, rowsampling
+from shardgen import heads, jobenv, lora, reasoning, rowsampling
 from shardgen.config import RunConfig, engine_version, warnings
 from shardgen.errors import InputError, RowError, ShardgenError
 from shardgen.feed import RowInputs
@@ -211,10 +211,13 @@ def _load_tokenizer(model_cfg: Mapping[str, Any], record: dict[str, Any]):
 
 
 def check_sampling(config: RunConfig, tokenizer: Any, build: str) -> tuple[list[str], list[str]]:
-    """Problems and notes of the sampling settings that need the tokenizer or the build."""
+    """Problems and notes of the sampling settings that need the tokenizer or the build; the reasoning
+    parser here, before any job, rather than in the config check (``config.check_reasoning``): its
+    name needs the installed vLLM's registry, and the parser the model's tokenizer."""
     from shardgen.results import choice_first_tokens
 
     problems, notes = [], []
+    problems += reasoning.problems(config.sampling, tokenizer, config.prompt.chat_template_kwargs)
     choices = config.sampling.choices
     if config.output.choice_probs and choices:
         try:

@@ -2,7 +2,8 @@
 
 The columns shardgen adds to every input row depend on the sampling config:
 several samples per row (one output row per sample with a ``sample_index``,
-or list columns), structured outputs (the parsed JSON record as a typed
+or list columns), a reasoning model's trace apart from its answer
+(``reasoning``, ``reasoning_tokens``), structured outputs (the parsed JSON record as a typed
 struct column, or the chosen ``label``), label probabilities, and top-k
 log-probabilities. ``ResultSpec`` decides the columns once per run and turns
 each completion into rows; a sample that does not parse gets a per-row error.
@@ -35,6 +36,8 @@ RESERVED_COLUMNS = (
     "finish_reason",
     "prompt_tokens",
     "generated_tokens",
+    "reasoning",
+    "reasoning_tokens",
     "parsed",
     "label",
     "label_prob",
@@ -51,15 +54,19 @@ RESERVED_COLUMNS = (
 
 @dataclass
 class Sample:
-    """One generated sequence of a request."""
+    """One generated sequence of a request: with a reasoning parser, ``text`` is the answer (None when
+    there is none) and the trace is apart (``reasoning.Splitter``)."""
 
-    text: str
+    text: str | None
     finish_reason: str | None
     generated_tokens: int
     # per position: (token_id, token, logprob) of the top-k and the sampled token
     logprobs: list[list[tuple[int, str | None, float]]] | None = None
-    # log-probabilities of chosen token ids at the first position
+    # log-probabilities of chosen token ids at the answer's first position
     first_logprobs: dict[int, float] | None = None
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None  # the trace's, end marker included
+    error: str | None = None  # the sample has no answer (reasoning.UNFINISHED, NO_ANSWER)
 
 
 def json_arrow_type(schema: Any) -> pa.DataType | None:
@@ -164,6 +171,7 @@ class ResultSpec(Columns):
         if self.choice_token_ids and len(self.choice_token_ids) != len(self.choices or []):
             raise ValueError("choice_token_ids must give one token per label")
         self.logprobs: int | None = sampling.get("logprobs")
+        self.reasoning = bool(sampling.get("reasoning_parser"))
         self.json_type = json_arrow_type(self.json_schema) if self.json_schema is not None else None
         self._validator = None
         if self.json_schema is not None:
@@ -184,6 +192,8 @@ class ResultSpec(Columns):
     def _sample_fields(self) -> list[pa.Field]:
         fields = [pa.field("generation", pa.string()), pa.field("finish_reason", pa.string())]
         fields.append(pa.field("generated_tokens", pa.int32()))
+        if self.reasoning:
+            fields += [pa.field("reasoning", pa.string()), pa.field("reasoning_tokens", pa.int32())]
         if self.json_schema is not None:
             fields.append(pa.field("parsed", self.json_type or pa.string()))
         if self.choices:
@@ -231,14 +241,18 @@ class ResultSpec(Columns):
             "generation": s.text,
             "finish_reason": s.finish_reason,
             "generated_tokens": s.generated_tokens,
-            "error": None,
+            "error": s.error,
         }
+        if self.reasoning:
+            out.update(reasoning=s.reasoning, reasoning_tokens=s.reasoning_tokens)
+        if self.json_schema is not None:
+            out["parsed"] = None
+        if self.choices:
+            out["label"] = None
         try:
-            if self.json_schema is not None:
-                out["parsed"] = None
+            if s.error is None and self.json_schema is not None:  # the answer, not the trace
                 out["parsed"] = self._parse_json(s)
-            if self.choices:
-                out["label"] = None
+            if s.error is None and self.choices:
                 out["label"] = self._label(s)
         except RowError as e:
             out["error"] = str(e)
@@ -252,7 +266,7 @@ class ResultSpec(Columns):
 
     def _parse_json(self, s: Sample) -> Any:
         try:
-            value = json.loads(s.text)
+            value = json.loads(s.text or "")
         except ValueError as e:
             cut = " (the output was cut at max_tokens)" if s.finish_reason == "length" else ""
             raise RowError("invalid_json", f"the output is not valid JSON{cut}: {e}") from None
@@ -269,7 +283,7 @@ class ResultSpec(Columns):
         return typed
 
     def _label(self, s: Sample) -> str:
-        text = s.text.strip()
+        text = (s.text or "").strip()
         if text not in (self.choices or []):
             cut = " (cut at max_tokens)" if s.finish_reason == "length" else ""
             raise RowError("invalid_choice", f"the output {text[:80]!r} is not one of the labels{cut}")

@@ -78,6 +78,7 @@ SUMMED = (
     "prompt_tokens",
     "cached_prompt_tokens",
     "generated_tokens",
+    "reasoning_tokens",
     "attempt_requests",
     "attempt_prompt_tokens",
     "attempt_generated_tokens",
@@ -192,6 +193,8 @@ def shard_stats(
         "rows_generated": counters.rows,
         "prompt_tokens": _column_sum(table, "prompt_tokens"),
         "generated_tokens": _column_sum(table, "generated_tokens"),
+        # of which a reasoning model's traces (sampling.reasoning_parser; 0 without one)
+        "reasoning_tokens": _column_sum(table, "reasoning_tokens"),
         # This attempt's engine work, which throughput is measured over.
         "attempt_requests": counters.requests,
         "attempt_prompt_tokens": counters.prompt_tokens,
@@ -244,6 +247,7 @@ SHARD_SUMMARY_KEYS = (
     "rows_generated",
     "prompt_tokens",
     "generated_tokens",
+    "reasoning_tokens",
     "output_tokens_per_s",
     "prompt_tokens_per_s",
     "requests_per_s",
@@ -374,7 +378,8 @@ def summary_text(stats: dict[str, Any]) -> str:
         + (", " + ", ".join(f"{k}: {v}" for k, v in stats["error_reasons"].items()) if stats["error_reasons"] else "")
         + ")",
         f"shards          {stats['num_shards']}  (rows resumed from checkpoints: {stats['rows_resumed']})",
-        f"tokens          {stats['prompt_tokens']} prompt, {stats['generated_tokens']} generated",
+        f"tokens          {stats['prompt_tokens']} prompt, {stats['generated_tokens']} generated"
+        + _reasoning_part(stats),
         f"throughput      {_fmt(stats['output_tokens_per_s'])} output tok/s, "
         f"{_fmt(stats['requests_per_s'], '.2f')} req/s (over {_fmt(stats['generation_seconds'])} s of generation)",
         f"latency         TTFT p50 {_fmt(stats['ttft_p50_s'], '.3f')} s, p90 {_fmt(stats['ttft_p90_s'], '.3f')} s "
@@ -391,6 +396,14 @@ def summary_text(stats: dict[str, Any]) -> str:
     if spec:
         lines.append(f"speculation     {_fmt(100 * (spec['acceptance_rate'] or 0))}% of draft tokens accepted")
     return "\n".join(lines + _cost_lines(stats))
+
+
+def _reasoning_part(stats: dict[str, Any]) -> str:
+    """How the generated tokens split into reasoning and answers (a run with a reasoning parser)."""
+    reasoning = stats.get("reasoning_tokens") or 0
+    if not reasoning:
+        return ""
+    return f" ({reasoning} reasoning, {stats['generated_tokens'] - reasoning} answer)"
 
 
 def _cost_lines(stats: dict[str, Any]) -> list[str]:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import pyarrow as pa
 
 from shardgen import engine as eng
-from shardgen import heads, rowsampling
+from shardgen import heads, reasoning, rowsampling
 from shardgen.errors import ConfigError
 from shardgen.results import LABEL_PROB_TYPE, Columns, PoolingSpec, ResultSpec, Sample, choice_first_tokens
 
@@ -100,10 +100,12 @@ CONTENT_OUTPUT_KEYS = ("samples", "choice_probs")
 
 class GenerateTask(Task):
     """Text generation: every row's request gets the run's ``SamplingParams`` (with the row's own seed
-    when ``sampling.seed`` is set), and its samples become output rows (``results.ResultSpec``).
+    when ``sampling.seed`` is set), and its samples become output rows (``results.ResultSpec``); with
+    ``sampling.reasoning_parser``, each sample's trace apart from its answer (``reasoning.Splitter``).
 
     Args:
-        tokenizer: the engine's, which decides the labels' first tokens for ``output.choice_probs``.
+        tokenizer: the engine's, which decides the labels' first tokens for ``output.choice_probs``
+            and the reasoning parser's markers.
     """
 
     name = "generate"
@@ -136,8 +138,13 @@ class GenerateTask(Task):
     def __init__(self, config: RunConfig, tokenizer: eng.Tokenizer, head: Any = None) -> None:
         choices = config.sampling.choices if config.output.choice_probs else None
         self.spec = ResultSpec.of(config, choice_first_tokens(tokenizer.hf, choices) if choices else None)
-        self.sampling = eng.make_sampling_params(config.sampling, self.spec.choice_token_ids)
-        self.run_sampling = config.sampling
+        self.run_sampling: Mapping[str, Any] = config.sampling
+        self.splitter = None
+        if name := config.sampling.reasoning_parser:
+            self.splitter = reasoning.Splitter.of(name, tokenizer.hf, config.prompt.chat_template_kwargs)
+            if self.splitter.keep_special_tokens and "skip_special_tokens" not in config.sampling:
+                self.run_sampling = {**config.sampling, "skip_special_tokens": False}
+        self.sampling = eng.make_sampling_params(self.run_sampling, self.spec.choice_token_ids)
         self.seed = config.sampling.seed
         self.id_column = config.input.id_column
         self.sampling_column = config.input.sampling_column
@@ -174,14 +181,19 @@ class GenerateTask(Task):
         return params
 
     def finish(self, row: dict[str, Any], completion: Completion) -> Finished:
-        samples = [_sample(o) for o in sorted(completion.output.outputs, key=lambda o: o.index)]
+        out = completion.output
+        samples = [_sample(o, self.splitter, out.prompt_token_ids) for o in sorted(out.outputs, key=lambda o: o.index)]
         rows = self.spec.rows(row, completion.key, completion.prompt_tokens, samples)
         error = next((r["error"] for r in rows if r["error"]), None)
         return Finished(rows, error, sum(s.generated_tokens for s in samples))
 
 
-def _sample(out: Any) -> Sample:
-    """A ``Sample`` from one of vLLM's ``CompletionOutput``s, with its log-probabilities if asked for."""
+def _sample(out: Any, splitter: reasoning.Splitter | None = None, prompt_token_ids: Any = None) -> Sample:
+    """A ``Sample`` from one of vLLM's ``CompletionOutput``s, with its log-probabilities if asked for;
+    with a ``splitter``, its answer apart from its trace, and the label probabilities of the answer's
+    first position (the position after the end marker), not the trace's."""
+    split = splitter.split(out.text, out.token_ids, out.finish_reason, prompt_token_ids) if splitter else None
+    answer_at = split.reasoning_tokens if split else 0
     positions = None
     first = None
     if out.logprobs:
@@ -189,8 +201,12 @@ def _sample(out: Any) -> Sample:
         for lp in out.logprobs:
             ranked = sorted(lp.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
             positions.append([(int(t), v.decoded_token, float(v.logprob)) for t, v in ranked])
-        first = {int(t): float(v.logprob) for t, v in out.logprobs[0].items()}
-    return Sample(out.text, out.finish_reason, len(out.token_ids), positions, first)
+        if answer_at < len(out.logprobs) and not (split and split.error):
+            first = {int(t): float(v.logprob) for t, v in out.logprobs[answer_at].items()}
+    if split is None:
+        return Sample(out.text, out.finish_reason, len(out.token_ids), positions, first)
+    return Sample(split.answer, out.finish_reason, len(out.token_ids), positions, first,
+                  split.reasoning, split.reasoning_tokens, split.error)  # fmt: skip
 
 
 class PoolingTask(Task):
@@ -240,7 +256,8 @@ class PoolingTask(Task):
             if pooling.get(key) is not None and owners[key] != task:
                 raise ConfigError(f"pooling.{key} is for task: {owners[key]}, not task: {task}")
         sampling = config.get("sampling") or {}
-        if sampling.get("structured_outputs") or sampling.get("n", 1) > 1 or config["output"].get("choice_probs"):
+        text_keys = ("structured_outputs", "reasoning_parser", "thinking_token_budget")
+        if any(sampling.get(k) for k in text_keys) or sampling.get("n", 1) > 1 or config["output"].get("choice_probs"):
             raise ConfigError(f"task: {task} generates no text: drop sampling and output.choice_probs")
 
     @classmethod

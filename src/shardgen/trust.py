@@ -28,6 +28,8 @@ _SECRET_KEY = re.compile(
     r"|client-(key|certificate)-data",
     re.IGNORECASE,
 )
+# vLLM's own names that the pattern above misreads as credentials.
+NOT_SECRET_KEYS = frozenset({"thinking_token_budget"})
 # Values that look like a credential, at any depth.
 CREDENTIAL_PATTERNS = {
     "a Hugging Face token": re.compile(r"\bhf_[A-Za-z0-9]{30,}"),
@@ -149,7 +151,8 @@ def find_credentials(node: Any, path: tuple[str, ...] = ()) -> list[str]:
         in_data = any(path[: len(p)] == p for p in _DATA_KEYS)
         for key, value in node.items():
             sub = (*path, str(key))
-            if not in_data and isinstance(key, str) and _SECRET_KEY.search(key) and value not in (None, "", False):
+            named = isinstance(key, str) and key not in NOT_SECRET_KEYS and _SECRET_KEY.search(key)
+            if not in_data and named and value not in (None, "", False):
                 found.append(secret_message(".".join(sub)))
             else:
                 found += find_credentials(value, sub)

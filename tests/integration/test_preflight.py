@@ -278,3 +278,19 @@ def test_a_result_column_added_by_a_config_change_after_planning_stops_the_run_b
     assert r.returncode != 0 and "has the column(s) ['label'], which this config's output also has" in out, out[-3000:]
     assert (tmp_path / "results" / "plan" / "manifest.json").stat().st_mtime_ns == manifest, "not planned again"
     assert _slurm_jobs() - before == set() and "submitted with SLURM jobid" not in out
+
+
+@pytest.mark.parametrize(
+    ("sampling", "problem"),
+    [
+        ({"reasoning_parser": "deepseek-r1"}, "sampling.reasoning_parser: 'deepseek-r1' is not one of the installed "
+         "vLLM's reasoning parsers (did you mean 'deepseek_r1' or"),
+        ({"reasoning_parser": "deepseek_r1"}, "sampling.reasoning_parser: 'deepseek_r1' does not work with this "
+         "model's tokenizer: RuntimeError"),
+    ],
+)  # fmt: skip
+def test_a_reasoning_parser_the_model_cannot_use_is_refused_before_any_job(
+    tmp_path, capsys, model_dir, sampling, problem
+):
+    rc, err = preflight(tmp_path, capsys, sampling={"temperature": 0.0, "max_tokens": 12, **sampling})
+    assert rc == 2 and problem in err, err

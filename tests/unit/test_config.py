@@ -518,3 +518,40 @@ def test_a_config_that_sets_no_new_key_keeps_its_fingerprint(path, fingerprint):
 def test_a_config_that_sets_no_new_key_is_not_planned_again():
     """Pinned like the fingerprints: the plan's digest (plan.smk) of the demo config, as before."""
     assert cfg.plan_digest(cfg.RunConfig.load(ROOT / "config" / "config.yaml").raw, []) == "b1e0423f5ea0aba3"
+
+
+def test_a_thinking_budget_without_a_reasoning_parser_is_refused_naming_both_keys():
+    c = minimal() | {"sampling": {"thinking_token_budget": 64}}
+    with pytest.raises(ConfigError, match=r"sampling.thinking_token_budget needs sampling.reasoning_parser: vLLM"):
+        cfg.validate(c)
+
+
+def test_the_reasoning_parser_is_set_once_under_sampling_not_as_an_extra_engine_argument():
+    c = minimal() | {"sampling": {"reasoning_parser": "qwen3"}}
+    c["model"] = {"model": "m", "extra": {"reasoning_parser": "qwen3"}}
+    with pytest.raises(ConfigError, match=r"model.extra.reasoning_parser: set sampling.reasoning_parser instead"):
+        cfg.validate(c)
+
+
+def test_a_label_must_fit_after_the_thinking_budget_and_its_end_marker():
+    sampling = {"reasoning_parser": "deepseek_r1", "thinking_token_budget": 4,
+                "structured_outputs": {"choice": ["positive", "negative"]}}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"sampling.max_tokens \(12\) can cut the label 'positive' short after a "
+                       r"trace of sampling.thinking_token_budget \(4\) and its end marker.* at least 13"):  # fmt: skip
+        cfg.validate(minimal() | {"sampling": {**sampling, "max_tokens": 12}})
+    cfg.validate(minimal() | {"sampling": {**sampling, "max_tokens": 13}})
+
+
+def test_the_reasoning_parser_is_in_the_fingerprint_and_a_budget_at_max_tokens_is_a_warning():
+    base = cfg.content_fingerprint(cfg.validate(minimal()), "0.32.0")
+    parsed = cfg.validate(minimal() | {"sampling": {"reasoning_parser": "qwen3"}})
+    assert cfg.content_fingerprint(parsed, "0.32.0") != base
+    budget = cfg.validate(minimal() | {"sampling": {"reasoning_parser": "qwen3", "thinking_token_budget": 256}})
+    (warning,) = cfg.warnings(budget)
+    assert warning.startswith("sampling.thinking_token_budget (256) is not below sampling.max_tokens (256)")
+
+
+def test_a_pooling_task_refuses_a_reasoning_parser():
+    c = minimal() | {"task": "embed", "sampling": {"reasoning_parser": "qwen3"}}
+    with pytest.raises(ConfigError, match=r"task: embed generates no text"):
+        cfg.validate(c)

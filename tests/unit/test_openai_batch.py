@@ -222,3 +222,17 @@ def test_the_planning_benchmark_runs_and_writes_its_table(tmp_path):
     result = json.loads((tmp_path / "batch_plan.json").read_text())
     assert [r["requests"] for r in result["runs"]] == [20, 60] and result["runs"][1]["shards"] == 1
     assert "| 60 |" in (tmp_path / "batch_plan.md").read_text()
+
+
+def test_a_reasoning_runs_trace_is_the_messages_reasoning_and_its_tokens_the_usage_details(tmp_path):
+    """As vLLM's server gives them: ChatMessage.reasoning, completion_tokens_details.reasoning_tokens."""
+    rows = [{**sample(0, 0, "yes"), "reasoning": "hmm", "reasoning_tokens": 2},
+            {**sample(0, 1, "no"), "reasoning": None, "reasoning_tokens": 0}]  # fmt: skip
+    _, ok, _ = write(tmp_path, rows)
+    body = ok[0]["response"]["body"]
+    completion = ChatCompletion.model_validate(body)
+    assert [c.message.content for c in completion.choices] == ["yes", "no"]
+    assert [c["message"]["reasoning"] for c in body["choices"]] == ["hmm", None]
+    assert completion.usage.completion_tokens_details.reasoning_tokens == 2
+    assert "reasoning" not in ChatCompletion.model_validate(write(tmp_path / "plain", [sample(0, 0, "a")])[1][0][
+        "response"]["body"]).choices[0].message.model_extra  # fmt: skip

@@ -134,3 +134,26 @@ def test_a_list_mode_error_names_the_sample():
     spec = ResultSpec({"n": 2, "structured_outputs": {"choice": ["a", "b"]}}, samples="list")
     (row,) = spec.rows(ROW, 0, 5, [Sample("a", "stop", 1), Sample("c", "stop", 1)])
     assert row["label"] == ["a", None] and row["error"].startswith("sample 1: invalid_choice")
+
+
+def test_a_reasoning_run_adds_the_trace_and_its_tokens_and_labels_the_answer():
+    spec = ResultSpec({"reasoning_parser": "qwen3", "structured_outputs": {"choice": ["yes", "no"]}})
+    assert spec.names[4:8] == ["generated_tokens", "reasoning", "reasoning_tokens", "label"]
+    (row,) = spec.rows(ROW, 0, 5, [Sample("yes", "stop", 9, reasoning="hmm", reasoning_tokens=6)])
+    assert (row["generation"], row["reasoning"], row["reasoning_tokens"], row["label"], row["error"]) == (
+        "yes", "hmm", 6, "yes", None,
+    )  # fmt: skip
+    error = "reasoning_unfinished: the reasoning did not end within max_tokens (8 tokens): no answer"
+    (cut,) = spec.rows(ROW, 1, 5, [Sample(None, "length", 8, reasoning="hmm hmm", reasoning_tokens=8, error=error)])
+    assert (cut["generation"], cut["label"], cut["error"], cut["finish_reason"]) == (None, None, error, "length")
+    table(spec, [row, cut])  # the rows fit the columns
+
+
+def test_a_reasoning_run_with_samples_as_lists_has_list_columns_of_the_trace():
+    spec = ResultSpec({"reasoning_parser": "qwen3", "n": 2}, samples="list")
+    assert spec.names[4:7] == ["generated_tokens", "reasoning", "reasoning_tokens"]
+    samples = [Sample("a", "stop", 3, reasoning="r0", reasoning_tokens=2), Sample("b", "stop", 4, reasoning=None,
+               reasoning_tokens=0)]  # fmt: skip
+    (row,) = spec.rows(ROW, 0, 5, samples)
+    assert (row["reasoning"], row["reasoning_tokens"]) == (["r0", None], [2, 0])
+    assert table(spec, [row]).schema.field("reasoning").type == pa.list_(pa.string())

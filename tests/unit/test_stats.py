@@ -108,3 +108,16 @@ def test_a_pooling_shard_has_rows_and_prompt_token_rates_and_no_output_token_fig
     assert total["rows_per_gpu_hour"] == 2.0
     text = summary_text(total)
     assert "1.00 rows/s, 6.0 prompt tok/s" in text and "2 rows per GPU-hour" in text and "output tok" not in text
+
+
+def test_reasoning_tokens_add_up_over_shards_and_the_summary_splits_the_generated_tokens():
+    common = {"rows": 2, "errors": 0, "prompt_tokens": 10, "generation_seconds": 1, "wall_seconds": 2, "gpu_hours": 0.1}
+    s = merge_shard_stats([
+        {**common, "shard": "00000", "generated_tokens": 30, "reasoning_tokens": 20},
+        {**common, "shard": "00001", "generated_tokens": 12, "reasoning_tokens": 5},
+        {**common, "shard": "00002", "generated_tokens": 8},  # a shard from before reasoning_tokens
+    ])  # fmt: skip
+    assert (s["generated_tokens"], s["reasoning_tokens"]) == (50, 25)
+    assert [x["reasoning_tokens"] for x in s["shards"]] == [20, 5, None]
+    assert "50 generated (25 reasoning, 25 answer)" in summary_text(s)
+    assert "reasoning" not in summary_text(merge_shard_stats([{**common, "generated_tokens": 8}]))
