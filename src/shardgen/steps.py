@@ -44,7 +44,7 @@ STEP_SECTIONS = ("task", "model", "prompt", "sampling", "pooling", "lora", "reso
 # The column of a row that the step before did not pass on: why (null for every row it passed on).
 DROPPED = "dropped"
 # An earlier step's columns that are its own bookkeeping, not passed on (its own output keeps them).
-BOOKKEEPING = ("row_index", "finish_reason", "prompt_tokens", "generated_tokens", "error", DROPPED)
+BOOKKEEPING = ("row_index", "finish_reason", "prompt_tokens", "generated_tokens", "reasoning_tokens", "error", DROPPED)
 OUTPUT_KEY = "output.dir"
 
 

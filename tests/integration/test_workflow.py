@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import subprocess
+import time
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -13,8 +15,17 @@ import pytest
 
 from shardgen.installed import slurm_plugin_problem
 from shardgen.rundir import RunDir
+from shardgen.steps import DROPPED
 from tests.conftest import ROOT, TEST_MODEL_CFG, make_rows, write_parquet
-from tests.integration.workflow import Background, dry_run_jobs, run_workflow, workflow_config
+from tests.integration.workflow import (
+    BIN,
+    Background,
+    dry_run_jobs,
+    finished_shards,
+    run_workflow,
+    slurm_jobs,
+    workflow_config,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -227,3 +238,89 @@ def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_tok
     assert leaked == [], f"the HF token was written to {leaked}"
     shared = [str(p) for p in out.rglob("*") if p.is_file() and p.stat().st_mode & 0o007]
     assert shared == [], f"other users may read {shared} (output.world_readable is false)"
+
+
+@pytest.mark.slurm
+def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoes_only_what_changed(
+    tmp_path, slurm_cluster
+):
+    """A run of two steps through the Slurm profile, with the real engine: four seeded samples per
+    row (draft), then the test reward model on each (judge) with ``select.best_of``. The run is stopped
+    (Ctrl-C) once the judge committed a shard; the rerun redoes no shard of the draft and not that
+    one. The output has every input row once, with the sample the judge scored highest; each step's
+    own output every row it made. A change of the judge's prompt reruns the judge's jobs alone; a
+    change of the last select, the selection alone (pairs: the best and worst sample of each row)."""
+    rows = 6
+    write_parquet(tmp_path / "data" / "in.parquet", make_rows(rows))
+    config = workflow_config({"parquet": [str(tmp_path / "data" / "in.parquet")], "id_column": "id"},
+                             shards={"rows_per_shard": 3})  # fmt: skip
+    config.pop("sampling")
+    reward = {**TEST_MODEL_CFG, "model": str(ROOT / "models" / "reward")}
+    judge_prompt = {"template": "Question: What is {{ topic }}?\nAnswer: {{ generation }}", "chat": False}
+    config["steps"] = [
+        {"name": "draft", "sampling": {"n": 4, "seed": 7, "temperature": 1.0, "max_tokens": 8}},
+        {"name": "judge", "task": "reward", "model": reward, "prompt": judge_prompt,
+         "select": {"best_of": {"by": "reward"}}},
+    ]  # fmt: skip
+    out = tmp_path / "results"
+    draft, judge = RunDir(out / "steps" / "draft"), RunDir(out / "steps" / "judge")
+    run = Background(tmp_path, config, "slurm")
+
+    def finished(step: str) -> set[str]:
+        return finished_shards(run.output(), f"{step}_generate_shard")
+
+    run.wait_until(lambda: len(finished("draft")) == 2 and finished("judge"), 600, "the draft, and a judge shard")
+    judged = [p for s in finished("judge") for p in (judge.shard_file(s), judge.shard_stats(s))]
+    done = [*draft.shards.glob("*"), *judged]
+    before = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in done}
+    run.proc.send_signal(signal.SIGINT)  # what Ctrl-C does: the run's jobs are cancelled
+    run.proc.wait(120)
+    run.out.close()
+    deadline = time.time() + 60
+    while set(slurm_jobs(tmp_path).values()) & {"RUNNING", "PENDING", "COMPLETING"} and time.time() < deadline:
+        time.sleep(0.5)
+    assert set(slurm_jobs(tmp_path).values()) <= {"CANCELLED", "COMPLETED"}, slurm_jobs(tmp_path)
+
+    text = run_workflow(tmp_path, config, "slurm").stdout
+    kept = {p for p, key in before.items() if p.exists() and (p.stat().st_ino, p.stat().st_mtime_ns) == key}
+    assert kept == set(before), f"redone after the stop: {sorted(set(before) - kept)}"
+    assert not any("draft_generate_shard" in line for line in text.splitlines() if "rule " in line)
+    for shard in ("00000", "00001"):  # each draft shard made once
+        assert len(json.loads(draft.shard_stats(shard).read_text())["attempts"]) == 1
+
+    # raw scores, not probabilities
+    judged = pq.read_table(judge.merged("parquet")).to_pylist()  # every sample judged, with the draft's columns
+    assert len(judged) == rows * 4 and DROPPED not in judged[0]
+    assert {(r["id"], r["sample_index"]) for r in judged} == {(f"r{i:05d}", s) for i in range(rows) for s in range(4)}
+    assert all(r["generation"] and r["error"] is None for r in judged)
+    assert any(r["reward"] < 0 or r["reward"] > 1 for r in judged) and len({r["reward"] for r in judged}) > 1
+    best = {}
+    for r in judged:
+        if r["id"] not in best or r["reward"] > best[r["id"]]["reward"]:
+            best[r["id"]] = r
+    output = pq.read_table(out / "output.parquet").to_pylist()
+    assert [r["id"] for r in output] == [f"r{i:05d}" for i in range(rows)], "every input row once, in order"
+    assert [(r["sample_index"], r["generation"], r["reward"]) for r in output] == [
+        (best[r["id"]]["sample_index"], best[r["id"]]["generation"], best[r["id"]]["reward"]) for r in output
+    ], "the sample the judge scored highest"
+    stats = json.loads((out / "stats.json").read_text())
+    assert [(s["name"], s["rows"], s["rows_passed_on"]) for s in stats["steps"]] == [
+        ("draft", rows, rows * 4), ("judge", rows * 4, rows)
+    ]  # fmt: skip
+    assert stats["gpu_hours"] == pytest.approx(sum(s["gpu_hours"] for s in stats["steps"])) and stats["gpu_hours"] > 0
+    assert [s["name"] for s in stats["provenance"]["steps"]] == ["draft", "judge"]
+    assert "step judge" in text and f"{rows} output rows" in text
+    status = subprocess.run([str(BIN / "shardgen"), "status", "--dir", str(out)], capture_output=True, text=True)
+    assert "step draft:" in status.stdout and "step judge:" in status.stdout, status.stdout + status.stderr
+
+    changed = {**config, "steps": [config["steps"][0], {**config["steps"][1], "prompt": {
+        **judge_prompt, "template": "Answer: {{ generation }}"}}]}  # fmt: skip
+    jobs = dry_run_jobs(tmp_path, changed)
+    assert jobs.get("judge_generate_shard") == 2 and not any(j.startswith("draft_") for j in jobs), jobs
+    pairs = {**config, "steps": [config["steps"][0], {**config["steps"][1], "select": {"pairs": {"by": "reward"}}}]}
+    assert dry_run_jobs(tmp_path, pairs) == {"select_output": 1, "all": 1}
+    run_workflow(tmp_path, pairs, "local")
+    chosen = pq.read_table(out / "output.parquet").to_pylist()
+    assert [p["chosen"]["id"] for p in chosen] == [f"r{i:05d}" for i in range(rows)]
+    assert all(p["chosen"]["id"] == p["rejected"]["id"] and p["chosen"]["reward"] > p["rejected"]["reward"]
+               and p["chosen"]["sample_index"] == best[p["chosen"]["id"]]["sample_index"] for p in chosen)  # fmt: skip

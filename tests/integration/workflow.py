@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -246,3 +247,14 @@ def generate_process(workdir: Path, *args: str) -> psutil.Process:
         ):
             return p
     raise AssertionError(f"no shardgen generate process works in {workdir} with {args}")
+
+
+def finished_shards(text: str, rule: str) -> set[str]:
+    """The shards whose ``rule`` jobs Snakemake saw finish, from its output (a job whose end it did
+    not see yet is incomplete to it: a rerun removes that job's outputs and runs it again)."""
+    shards = {}
+    for block in re.finditer(rf"^(?:local)?rule {rule}:\n((?: {{4}}.*\n)+)", text, re.M):
+        job, shard = re.search(r"jobid: (\d+)", block.group(1)), re.search(r"wildcards: shard=(\d+)", block.group(1))
+        if job and shard:
+            shards[job.group(1)] = shard.group(1)
+    return {shards[j] for j in re.findall(rf"Finished jobid: (\d+) \(Rule: {rule}\)", text) if j in shards}

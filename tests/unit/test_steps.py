@@ -127,3 +127,21 @@ def test_the_next_step_reads_content_columns_renamed_where_it_writes_them_too():
     schema, names = steps.passed_columns(written, ["row_index", "generation", "finish_reason", "error"], "draft")
     assert schema.names == ["topic", "sample_index", "draft_generation", "dropped"]
     assert names == {"topic": "topic", "sample_index": "sample_index", "draft_generation": "generation"}
+
+
+def test_the_steps_recipes_of_the_readmes_are_valid_configs():
+    import re
+
+    import yaml
+
+    from tests.conftest import ROOT
+
+    found = 0
+    for doc in (ROOT / "README.md", ROOT / "config" / "README.md"):
+        for block in re.findall(r"^```yaml\n(.*?)^```", doc.read_text(), re.M | re.S):
+            config = yaml.safe_load(block)
+            if "steps" in config:
+                config.setdefault("input", {"parquet": ["data/prompts.parquet"]})
+                assert len(steps.step_configs(cfg.validate(config))) == len(config["steps"]), block
+                found += 1
+    assert found >= 4

@@ -44,7 +44,9 @@ WORKERS = RUN.shards.workers
 # A later step of a run of steps plans from the step before it, and its shard i reads that step's
 # committed shard i (shardgen.steps); every step's generate jobs wait for every step's preflight.
 STEP_BEFORE = RunDir(RUN.input.step["dir"]) if RUN.input.step else None
-STEP_PREFLIGHTS = RUN.step["preflights"] if RUN.step else []
+# (ancient: whether they exist, not their times; a step's preflight reruns with its config, which
+# reruns no other step's jobs)
+STEP_PREFLIGHTS = [ancient(p) for p in RUN.step["preflights"]] if RUN.step else []
 
 
 def run_config(wildcards, output):

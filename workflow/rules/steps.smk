@@ -58,8 +58,11 @@ rule select_output:
         " --stats {output.stats:q} > {log:q} 2>&1"
 
 
-# What the run makes (the Snakefile's rule all)
-OUTPUTS = rules.select_output.output
+# What the run makes (the Snakefile's rule all): its output, and each step's plots for the report
+OUTPUTS = [
+    rules.select_output.output,
+    *(getattr(rules, f"{c['step']['name']}_plot_stats").output for c in STEPS),
+]
 
 
 def start_steps():
