@@ -429,7 +429,7 @@ def finish(config: Mapping[str, Any], output: str | Path, stats_path: str | Path
         "config_fingerprint": content_digest(steps),
     }
     formats.write(fmt, output, batches(), empty, prov, config["input"].get("id_column"))
-    stats = chain_stats(steps, done, passed[0])
+    stats = chain_stats(steps, done, passed[0], [s.id for s in Manifest.load(run_dir.manifest).shards])
     stats["provenance"] = prov
     stats["output"] = {"path": str(output), "format": fmt}
     atomic_write_text(stats_path, json.dumps(stats, indent=1, default=str) + "\n")
@@ -446,10 +446,50 @@ def content_digest(steps: list[dict[str, Any]]) -> str:
 SUMMED = ("gpu_hours", "billed_gpu_hours", "prompt_tokens", "generated_tokens", "errors")
 
 
-def chain_stats(steps: list[dict[str, Any]], done: list[dict[str, Any]], rows_out: int) -> dict[str, Any]:
-    """Each step's figures (rows in, passed on and out of its select, tokens, GPU-hours, cost) and the
-    chain's totals."""
+def shard_times(step: Mapping[str, Any], shards: list[str]) -> dict[str, tuple[float, float]]:
+    """When each committed shard of a step started (its first attempt) and was done (its last)."""
+    import datetime
+    import json
+
+    run_dir, out = RunDir(step["output"]["dir"]), {}
+    for shard in shards:
+        attempts = json.loads(run_dir.shard_stats(shard).read_text()).get("attempts") or []
+        times = [datetime.datetime.fromisoformat(a[k]).timestamp() for a in attempts for k in ("started", "ended")
+                 if a.get(k)]  # fmt: skip
+        if times:
+            out[shard] = (min(times), max(times))
+    return out
+
+
+def timing(steps: list[dict[str, Any]], shards: list[str]) -> list[dict[str, float | None]]:
+    """Per step: its span (first shard started to last done), how long it ran while the step before
+    still ran (shard by shard pipelining), and the median time its shards waited, once the same
+    shard of the step before was done, to start (the scheduler's part)."""
+    import statistics
+
+    times = [shard_times(c, shards) for c in steps]
+    out: list[dict[str, float | None]] = []
+    for i, t in enumerate(times):
+        if not t:
+            out.append({"span_s": None, "overlap_with_step_before_s": None, "start_after_input_p50_s": None})
+            continue
+        first, last = min(a for a, _ in t.values()), max(b for _, b in t.values())
+        before = times[i - 1] if i else {}
+        overlap = max(0.0, max(b for _, b in before.values()) - first) if before else None
+        waits = [t[s][0] - before[s][1] for s in t if s in before]
+        out.append({"span_s": round(last - first, 1),
+                    "overlap_with_step_before_s": None if overlap is None else round(overlap, 1),
+                    "start_after_input_p50_s": round(statistics.median(waits), 1) if waits else None})  # fmt: skip
+    return out
+
+
+def chain_stats(
+    steps: list[dict[str, Any]], done: list[dict[str, Any]], rows_out: int, shards: list[str] | None = None
+) -> dict[str, Any]:
+    """Each step's figures (rows in, passed on and out of its select, tokens, GPU-hours, cost, when it
+    ran against the step before: ``timing``) and the chain's totals."""
     per_step = []
+    times = timing(steps, shards) if shards else [{}] * len(steps)
     for i, (c, s) in enumerate(zip(steps, done, strict=True)):
         rows = s["rows"] - s.get("rows_not_passed_on", 0)
         passed = None
@@ -463,6 +503,7 @@ def chain_stats(steps: list[dict[str, Any]], done: list[dict[str, Any]], rows_ou
             **{k: s.get(k) for k in ("prompt_tokens", "generated_tokens", "gpu_hours", "billed_gpu_hours",
                                      "output_tokens_per_s", "ttft_p50_s", "wall_seconds")},
             "cost": (s.get("cost") or {}).get("total"),
+            **times[i],
         })  # fmt: skip
     totals = {k: sum(s.get(k) or 0 for s in done) for k in SUMMED}
     costs = [p["cost"] for p in per_step]
@@ -483,6 +524,8 @@ def summary_text(stats: Mapping[str, Any]) -> str:
         tokens = f"{s['prompt_tokens'] or 0:,} prompt + {s['generated_tokens'] or 0:,} generated tokens"
         lines.append(f"step {s['name']:<12} {s['task']:<9} {s['rows']:,} rows ({s['errors']} errors) -> "
                      f"{s['rows_passed_on']:,} passed on; {tokens}; {s['gpu_hours'] or 0:.4f} GPU-hours")  # fmt: skip
+        if s.get("overlap_with_step_before_s") is not None:
+            lines[-1] += f"; ran {s['overlap_with_step_before_s']:,.0f} s alongside the step before"
     lines.append(f"run              {stats['input_rows']:,} input rows -> {stats['output_rows']:,} output rows; "
                  f"{stats['gpu_hours']:.4f} GPU-hours")  # fmt: skip
     if stats.get("cost") is not None:

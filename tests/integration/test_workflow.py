@@ -309,6 +309,7 @@ def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoe
     ]  # fmt: skip
     assert stats["gpu_hours"] == pytest.approx(sum(s["gpu_hours"] for s in stats["steps"])) and stats["gpu_hours"] > 0
     assert [s["name"] for s in stats["provenance"]["steps"]] == ["draft", "judge"]
+    assert stats["steps"][1]["span_s"] > 0 and stats["steps"][1]["start_after_input_p50_s"] is not None
     assert "step judge" in text and f"{rows} output rows" in text
     status = subprocess.run([str(BIN / "shardgen"), "status", "--dir", str(out)], capture_output=True, text=True)
     assert "step draft:" in status.stdout and "step judge:" in status.stdout, status.stdout + status.stderr

@@ -145,3 +145,22 @@ def test_the_steps_recipes_of_the_readmes_are_valid_configs():
                 assert len(steps.step_configs(cfg.validate(config))) == len(config["steps"]), block
                 found += 1
     assert found >= 4
+
+
+def test_timing_tells_how_long_a_step_ran_alongside_the_one_before_and_waited_for_its_input(tmp_path):
+    import json
+
+    from shardgen.rundir import RunDir
+
+    def write(step: str, shard: str, start: str, end: str) -> dict:
+        run_dir = RunDir(tmp_path / step)
+        run_dir.shards.mkdir(parents=True, exist_ok=True)
+        attempts = [{"started": f"2026-01-01T00:{start}+00:00", "ended": f"2026-01-01T00:{end}+00:00"}]
+        run_dir.shard_stats(shard).write_text(json.dumps({"attempts": attempts}))
+        return {"output": {"dir": str(run_dir.root)}}
+
+    draft = [write("draft", "0", "00:00", "01:00"), write("draft", "1", "01:00", "02:00")][0]
+    judge = [write("judge", "0", "01:10", "01:30"), write("judge", "1", "02:20", "02:30")][0]
+    first, second = steps.timing([draft, judge], ["0", "1"])
+    assert first == {"span_s": 120.0, "overlap_with_step_before_s": None, "start_after_input_p50_s": None}
+    assert second == {"span_s": 80.0, "overlap_with_step_before_s": 50.0, "start_after_input_p50_s": 15.0}
