@@ -7,6 +7,10 @@ from pathlib import Path
 report: "../report/workflow.rst"
 
 
+# A step of a run of steps: its name on each of its figures.
+STEP_LABEL = {"step": RUN.step["name"]} if RUN.step else {}
+
+
 rule plot_stats:
     input:
         stats=rules.merge_shards.output.stats,
@@ -17,31 +21,31 @@ rule plot_stats:
             RUN_DIR.plots / "totals.html",
             caption="../report/totals.rst",
             category="Summary",
-            labels={"figure": "Totals"},
+            labels={"figure": "Totals", **STEP_LABEL},
         ),
         throughput=report(
             RUN_DIR.plots / "throughput.svg",
             caption="../report/throughput.rst",
             category="Throughput",
-            labels={"figure": "Output tokens/s per shard"},
+            labels={"figure": "Output tokens/s per shard", **STEP_LABEL},
         ),
         time_per_shard=report(
             RUN_DIR.plots / "time_per_shard.svg",
             caption="../report/time_per_shard.rst",
             category="Throughput",
-            labels={"figure": "Where the time went"},
+            labels={"figure": "Where the time went", **STEP_LABEL},
         ),
         ttft=report(
             RUN_DIR.plots / "ttft.svg",
             caption="../report/ttft.rst",
             category="Latency",
-            labels={"figure": "Time to first token"},
+            labels={"figure": "Time to first token", **STEP_LABEL},
         ),
         token_lengths=report(
             RUN_DIR.plots / "token_lengths.svg",
             caption="../report/token_lengths.rst",
             category="Tokens",
-            labels={"figure": "Prompt and output lengths"},
+            labels={"figure": "Prompt and output lengths", **STEP_LABEL},
         ),
     log:
         RUN_DIR.log("plot_stats"),
