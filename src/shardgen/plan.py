@@ -301,5 +301,10 @@ def work_order(manifest: Manifest) -> list[str]:
 
 def write_manifest(config: RunConfig, path: str | Path) -> dict[str, Any]:
     manifest = build_manifest(config)
+    if config.step:  # a step of a run of steps: what its select reads is in its rows
+        from shardgen.results import result_spec
+        from shardgen.steps import check_select
+
+        check_select(config, [*Manifest(manifest).source().schema.names, *result_spec(config).names])
     atomic_write_text(path, json.dumps(manifest, indent=1) + "\n")
     return manifest

@@ -59,7 +59,7 @@ def step_configs(config: Mapping[str, Any]) -> list[dict[str, Any]]:
     Raises:
         ConfigError: naming the step and the key.
     """
-    from shardgen.config import content_fingerprint, digest, validate
+    from shardgen.config import RunConfig, content_fingerprint, digest, validate
     from shardgen.results import result_spec
 
     root = config["output"]["dir"]
@@ -111,8 +111,6 @@ def step_configs(config: Mapping[str, Any]) -> list[dict[str, Any]]:
         c["step"] = {"name": name, "index": index, "count": len(steps), "group": group, "select": select,
                      "run_dir": root}  # fmt: skip
         out.append(c)
-        from shardgen.config import RunConfig
-
         group *= result_spec(RunConfig.from_dict(c)).rows_per_input
     preflights = [str(RunDir(c["output"]["dir"]).preflight) for c in out]
     for i, c in enumerate(out):
@@ -166,20 +164,21 @@ def dropped_reasons(table: pa.Table, step: str, select: Mapping[str, Any] | None
         return reasons
     ((kind, spec),) = select.items()
     if kind == "keep_if":
-        test = keep_if(spec)
+        import jinja2
+
         from shardgen.sandbox import RenderBudget
 
+        test = keep_if(spec)
         rows = table.to_pylist()
         with RenderBudget() as budget:
             for i, row in enumerate(rows):
                 if reasons[i] is None:
                     with budget.render():
-                        try:
+                        try:  # its columns are there (check_select); a value it cannot take is the row's
                             ok = test(**row)
-                        except Exception as e:
-                            raise InputError(f"step {step}: select.keep_if {spec!r} failed on row "
-                                             f"{row.get('row_index')}: {type(e).__name__}: {e}") from e  # fmt: skip
-                    if not ok:
+                        except (jinja2.TemplateError, TypeError, ValueError, ArithmeticError) as e:
+                            ok, reasons[i] = False, f"step {step}: keep_if {spec} failed: {type(e).__name__}: {e}"
+                    if not ok and reasons[i] is None:
                         reasons[i] = f"step {step}: keep_if {spec} is false"
         return reasons
     values = by_column(table, spec["by"], step)
@@ -190,6 +189,31 @@ def dropped_reasons(table: pa.Table, step: str, select: Mapping[str, Any] | None
         if reasons[i] is None and i not in best:
             reasons[i] = f"step {step}: not the {'lowest' if lowest else 'highest'} {spec['by']} of its row"
     return reasons
+
+
+def check_select(config: RunConfig, columns: list[str]) -> None:
+    """The columns a step's ``select`` reads are among those of its rows (checked when it plans).
+
+    Raises:
+        InputError: naming the step, the key and the columns.
+    """
+    import jinja2.meta
+
+    from shardgen.sandbox import BoundedSandbox
+
+    select = (config.step or {}).get("select")
+    if not select:
+        return
+    ((kind, spec),) = select.items()
+    if kind == "keep_if":
+        used = jinja2.meta.find_undeclared_variables(BoundedSandbox().parse("{{ " + spec + " }}"))
+    else:
+        used = {spec["by"]}
+    if missing := sorted(used - set(columns)):
+        raise InputError(
+            f"steps: {config.step['name']}.select.{kind} reads {missing}, which the step's rows do not have "
+            f"(they have: {', '.join(columns)})"
+        )
 
 
 def by_column(table: pa.Table, column: str, step: str) -> np.ndarray:

@@ -104,7 +104,7 @@ def test_best_of_keeps_the_best_sample_of_each_input_row():
     assert kept.column("row_index").to_pylist() == [1, 4] and dropped == 6
 
 
-def test_pairs_and_keep_if():
+def test_pairs_and_keep_if(chain):
     table = _judged([0.1, 0.9, 0.5, 0.3, 1.0, 1.0, 1.0, 1.0])
     pairs, dropped = steps.selected(table, "judge", {"pairs": {"by": "reward"}}, 4)
     chosen, rejected = pairs.column("chosen").to_pylist(), pairs.column("rejected").to_pylist()
@@ -114,8 +114,16 @@ def test_pairs_and_keep_if():
     assert kept.column("row_index").to_pylist() == [1, 2] and dropped == 6
     with pytest.raises(InputError, match="select by 'score': no such column"):
         steps.selected(table, "judge", {"best_of": {"by": "score"}}, 4)
-    with pytest.raises(InputError, match="keep_if 'missing > 1' failed on row 0"):
-        steps.selected(table, "judge", {"keep_if": "missing > 1"}, 4)
+    # a value keep_if cannot take (a null reward) is that row's: not passed on, and why
+    nulls = _judged([None, 0.9, 0.5, 0.3])
+    reasons = steps.dropped_reasons(nulls, "judge", {"keep_if": "reward > 0.4"}, 4)
+    assert reasons[0].startswith("step judge: keep_if reward > 0.4 failed: TypeError") and reasons[1:3] == [None] * 2
+    # a column it does not have is found when the step plans
+    run = cfg.RunConfig.from_dict(steps.step_configs({**chain, "steps": [
+        chain["steps"][0], {**chain["steps"][1], "select": {"keep_if": "score > 1 and reward > 0"}}]})[1])  # fmt: skip
+    with pytest.raises(InputError, match=r"judge.select.keep_if reads \['score'\], which the step's rows do not"):
+        steps.check_select(run, ["topic", "reward"])
+    steps.check_select(run, ["topic", "reward", "score"])
 
 
 def test_the_next_step_reads_content_columns_renamed_where_it_writes_them_too():
