@@ -39,6 +39,17 @@ from pathlib import Path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
+# The toy model's shape: one decoder layer of width 64, one attention head of 64.
+TOY_SHAPE = {
+    "num_hidden_layers": 1,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+}
+
+
 def copy_tokenizer(demo: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
@@ -53,16 +64,7 @@ def make_toy(demo: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(demo)
-    config.update(
-        {
-            "num_hidden_layers": 1,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_attention_heads": 1,
-            "num_key_value_heads": 1,
-            "head_dim": 64,
-        }
-    )
+    config.update(TOY_SHAPE)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     copy_tokenizer(demo, out)
@@ -289,17 +291,7 @@ def make_reasoner(demo: Path, out: Path) -> None:
     assert sep, "the demo chat template has no generation prompt"
     tok.chat_template = head + REASONER_TEMPLATE_END
     config = AutoConfig.from_pretrained(demo)
-    config.update(
-        {
-            "num_hidden_layers": 1,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_attention_heads": 1,
-            "num_key_value_heads": 1,
-            "head_dim": 64,
-            "vocab_size": len(tok),
-        }
-    )
+    config.update({**TOY_SHAPE, "vocab_size": len(tok)})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
