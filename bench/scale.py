@@ -1246,6 +1246,13 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {r['generation_seconds']} | {bound:.1f} | {r['makespan_s']} | {r['makespan_s'] / bound:.3f} "
                 f"| ×{r['makespan_vs_plan_order']} | {per} | {tails} |\n"
             )
+        for r in uneven["runs"]:
+            if r.get("note"):
+                text += f"\nSample {r.get('sample', 1)}, {r['order']}: {r['note']}."
+        text += (
+            "\nThe two workers share the node's 2 cores: a worker left alone at the end generates faster than "
+            "beside the other, so an idle tail costs less here than on GPUs that share nothing.\n"
+        )
     load = result.get("load_average", {}).get("start", ["?"])[0]
     head = (
         f"Scale benchmark (`bench/scale.py --size {result['size']}`), {result['machine']}, {result['date']}; "
