@@ -928,6 +928,165 @@ def step_modes(work: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------
+# The end of a real run: deliberately uneven shards, plan order against the package's policy
+
+UNEVEN = {  # the data: every shard rows_per_shard rows; the last `heavy` shards' rows ask 10x the tokens
+    "shards": 16,
+    "rows_per_shard": 4,
+    "heavy": 3,
+    "light_tokens": 24,
+    "heavy_tokens": 240,
+    "workers": 2,
+}
+UNEVEN_ORDERS = {  # name: the shards section's additions
+    # balance: rows, shards of equal rows and no estimate: plan.work_order gives plan order (ties)
+    "plan order": {},
+    # the package's policy: longest first (a no-op without an estimate) and the plan's guided tail
+    "longest first + tail": {"tail": "guided"},
+}
+
+
+def uneven_run(d: Path, shards_cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """One run of the workflow on the local Slurm over ``d/in.parquet``: makespan, per-worker tail,
+    and every row exactly once in the merged output."""
+    from datetime import datetime
+
+    from shardgen.rundir import RunDir
+
+    u = UNEVEN
+    config = {
+        "input": {"parquet": [str(d / "in.parquet")], "id_column": "id", "sampling_column": "sampling"},
+        "shards": {"rows_per_shard": u["rows_per_shard"], "workers": u["workers"], **shards_cfg},
+        "prompt": {"system": "Answer at length.", "template": "Write about {{ topic }}."},
+        "model": {
+            "model": str(ROOT / "models" / "SmolLM2-135M-Instruct"),
+            "dtype": "float32",
+            "max_model_len": 1024,
+            "kv_cache_memory_bytes": 128 * 1024 * 1024,
+            "enforce_eager": True,
+            # one row at a time: a shard's time is its rows' output tokens, as on a saturated GPU
+            "max_num_seqs": 1,
+        },
+        "sampling": {"temperature": 0.0, "max_tokens": u["light_tokens"], "ignore_eos": True},
+        # one CPU each: the node's two run both workers at once (as tests/integration/test_workers.py)
+        "resources": {"mem_mb": 6000, "cpus_per_task": 1, "runtime": 30},
+    }
+    (d / "config.yaml").write_text(yaml.safe_dump(config))
+    cmd = [
+        str(BIN / "snakemake"),
+        "--snakefile",
+        str(ROOT / "Snakefile"),
+        "--directory",
+        str(d),
+        "--profile",
+        str(ROOT / "profiles" / "slurm"),
+        "--default-resources",
+        f"slurm_partition={args.partition}",
+        "--retries",
+        "0",
+        "--configfile",
+        str(d / "config.yaml"),
+    ]
+    t = time.monotonic()
+    with (d / "snakemake.log").open("w") as f:
+        rc = subprocess.call(cmd, cwd=d, env=child_env(), stdout=f, stderr=subprocess.STDOUT, timeout=1800)
+    wall = time.monotonic() - t
+    if rc != 0:
+        raise RuntimeError(f"the uneven run in {d} failed ({rc}); see {d / 'snakemake.log'}")
+    run_dir = RunDir(d / "results")
+    manifest = Manifest.load(run_dir.manifest)
+    commits = {s.id: run_dir.shard_stats(s.id).stat().st_mtime for s in manifest.shards}
+    jobs = [j for j in slurm_jobs(d) if "generate" in j.get("Comment", "") and j.get("EndTime", "Unknown") != "Unknown"]
+    first_start = min(datetime.fromisoformat(j["StartTime"]).timestamp() for j in jobs)
+    last_commit = max(commits.values())
+    workers = []
+    for w in range(u["workers"]):
+        record = json.loads(run_dir.worker_record(w).read_text())
+        done = record["committed"]
+        own_last = max((commits[s] for s in done), default=first_start)
+        workers.append(
+            {
+                "worker": w,
+                "shards": len(done),
+                "rows": sum(manifest.shard(s).rows for s in done),
+                "taken_over": len(record["taken_over"]),
+                "last_commit_s": round(own_last - first_start, 1),
+                # from this worker's last commit to the run's: idle (or released) while another finishes
+                "idle_tail_s": round(last_commit - own_last, 1),
+            }
+        )
+    ids = pq.read_table(run_dir.merged("parquet"), columns=["id"]).column("id").to_pylist()
+    want = pq.read_table(d / "in.parquet", columns=["id"]).column("id").to_pylist()
+    exactly_once = sorted(ids) == sorted(want) and len(set(ids)) == len(ids)
+    if not exactly_once:
+        raise RuntimeError(f"the uneven run in {d}: the merged output does not hold every row exactly once")
+    stats = [json.loads(run_dir.shard_stats(s.id).read_text()) for s in manifest.shards]
+    return {
+        "shards": len(manifest.shards),
+        "shard_rows": [s.rows for s in manifest.shards],
+        "generate_jobs": len(jobs),
+        "rows_out": len(ids),
+        "exactly_once": exactly_once,
+        "generated_tokens": sum(s["generated_tokens"] for s in stats),
+        "generation_seconds": round(sum(s["generation_seconds"] for s in stats), 1),
+        "engine_start_seconds": round(sum(s["engine_start_seconds"] for s in stats), 1),
+        "makespan_s": round(last_commit - first_start, 1),
+        "workers": workers,
+        "idle_tail_s": max(w["idle_tail_s"] for w in workers),
+        "workflow_seconds": round(wall),
+    }
+
+
+def uneven_bound(run: dict[str, Any], workers: int) -> float:
+    """The run's bound, as the simulation's: its generation time ÷ workers plus one engine start (the
+    mean of its workers'). Measured per run, so a run that generated more slowly (this machine is
+    shared) is not counted as a worse tail."""
+    return (run["generation_seconds"] + run["engine_start_seconds"]) / workers
+
+
+def step_uneven(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The workflow on the local Slurm, elastic workers, over shards of which the last few ask ten times
+    the output tokens of the others (per row, through input.sampling_column: no plan can see it), in
+    plan order and with the package's policy; the same data, one run each."""
+    if why := slurm_ready():
+        return {"skipped": f"Slurm is not available ({why})"}
+    u = UNEVEN
+    n = u["shards"] * u["rows_per_shard"]
+    heavy_from = (u["shards"] - u["heavy"]) * u["rows_per_shard"]
+    rows = [
+        {
+            "id": f"r{i:03d}",
+            "topic": TOPICS[i % len(TOPICS)],
+            "sampling": json.dumps({"max_tokens": u["heavy_tokens"] if i >= heavy_from else u["light_tokens"]}),
+        }
+        for i in range(n)
+    ]
+    runs = []
+    for name, shards_cfg in UNEVEN_ORDERS.items():
+        d = fresh_dir(work / "uneven" / name.replace(" ", "-").replace("+", "and"))
+        pq.write_table(pa.Table.from_pylist(rows), d / "in.parquet", row_group_size=u["rows_per_shard"])
+        say(f"uneven: {name}, {n} rows on the local Slurm with {u['workers']} workers")
+        r = {"order": name, "shards_config": shards_cfg} | uneven_run(d, shards_cfg, args)
+        say(f"  {r['shards']} shards, makespan {r['makespan_s']} s, idle tail {r['idle_tail_s']} s")
+        runs.append(r)
+    base = runs[0]["makespan_s"]
+    for r in runs:
+        r["makespan_vs_plan_order"] = round(r["makespan_s"] / base, 3)
+        r["bound_s"] = round(uneven_bound(r, u["workers"]), 1)
+        r["vs_bound"] = round(r["makespan_s"] / r["bound_s"], 3)
+    return {
+        "what": (
+            f"real runs (vLLM CPU build, SmolLM2-135M float32, max_num_seqs 1, local Slurm): {n} rows in "
+            f"{u['shards']} shards of {u['rows_per_shard']} rows (shards.balance: rows), the last {u['heavy']} "
+            f"shards' rows asking {u['heavy_tokens']} output tokens and the others {u['light_tokens']} "
+            f"(ignore_eos; per row through input.sampling_column), {u['workers']} elastic workers of one CPU each"
+        ),
+        "data": dict(u),
+        "runs": runs,
+    }
+
+
+# ---------------------------------------------------------------------------
 # Results
 
 
@@ -1065,6 +1224,35 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {r['generation_seconds']} | {r['billed_job_seconds']} | {r['efficiency']:.1%} "
                 f"| {r['generate_makespan_s']} |\n"
             )
+    if (uneven := result.get("uneven")) and "runs" in uneven:
+        text += (
+            f"\n**The end of a real run** (`uneven` step, {uneven['date']}): {uneven['what']}. Makespan: the first "
+            "generate job's start (Slurm) to the last shard's commit (its stats file); a worker's idle tail: "
+            "from its own last commit to the run's last. Every row exactly once in the merged output, "
+            "checked.\n\n"
+            "Bound: the run's own generation and engine start time ÷ workers (as the simulation's; measured "
+            "per run, since throughput on this shared machine varies from run to run).\n\n"
+            "| sample | order | shards | rows of each | generated tokens | generation (s) | bound (s) "
+            "| makespan (s) | ÷ bound | vs plan order | worker shards (rows) | idle tail per worker (s) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        )
+        for r in uneven["runs"]:
+            rows_each = " ".join(map(str, r["shard_rows"]))
+            per = ", ".join(f"{w['shards']} ({w['rows']})" for w in r["workers"])
+            tails = ", ".join(f"{w['idle_tail_s']}" for w in r["workers"])
+            bound = uneven_bound(r, len(r["workers"]))
+            text += (
+                f"| {r.get('sample', 1)} | {r['order']} | {r['shards']} | {rows_each} | {r['generated_tokens']:,} "
+                f"| {r['generation_seconds']} | {bound:.1f} | {r['makespan_s']} | {r['makespan_s'] / bound:.3f} "
+                f"| ×{r['makespan_vs_plan_order']} | {per} | {tails} |\n"
+            )
+        for r in uneven["runs"]:
+            if r.get("note"):
+                text += f"\nSample {r.get('sample', 1)}, {r['order']}: {r['note']}."
+        text += (
+            "\nThe two workers share the node's 2 cores: a worker left alone at the end generates faster than "
+            "beside the other, so an idle tail costs less here than on GPUs that share nothing.\n"
+        )
     load = result.get("load_average", {}).get("start", ["?"])[0]
     head = (
         f"Scale benchmark (`bench/scale.py --size {result['size']}`), {result['machine']}, {result['date']}; "
@@ -1082,7 +1270,7 @@ def main() -> None:
     ap.add_argument(
         "--steps",
         default="plan,dryrun,merge,simulate",
-        help="comma-separated: plan, dryrun, merge, simulate, slurm, modes",
+        help="comma-separated: plan, dryrun, merge, simulate, slurm, modes, uneven",
     )
     ap.add_argument("--slurm", action="store_true", help="also measure Slurm submissions (the local cluster)")
     ap.add_argument("--jobs", default="1000,10000", help="held stand-in jobs to submit, comma-separated (--slurm)")
@@ -1091,7 +1279,7 @@ def main() -> None:
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     if args.slurm and "slurm" not in steps:
         steps.append("slurm")
-    if unknown := set(steps) - {"plan", "dryrun", "merge", "simulate", "slurm", "modes"}:
+    if unknown := set(steps) - {"plan", "dryrun", "merge", "simulate", "slurm", "modes", "uneven"}:
         ap.error(f"unknown steps: {sorted(unknown)}")
     size = SIZES[args.size]
     work = (args.work or Path(f"/tmp/shardgen-scale-{args.size}")).resolve()
@@ -1109,8 +1297,9 @@ def main() -> None:
     load_start = [round(x, 2) for x in os.getloadavg()]
     paths = write_inputs(work / "data", size) if {"plan", "dryrun", "merge"} & set(steps) else []
     for step in steps:
-        if step in ("slurm", "simulate", "modes"):
-            result[step] = {"slurm": step_slurm, "simulate": step_simulate, "modes": step_modes}[step](work, args)
+        if step in ("slurm", "simulate", "modes", "uneven"):
+            run = {"slurm": step_slurm, "simulate": step_simulate, "modes": step_modes, "uneven": step_uneven}
+            result[step] = run[step](work, args)
         else:
             result[step] = {"plan": step_plan, "dryrun": step_dryrun, "merge": step_merge}[step](work, size, paths)
         result[step]["date"] = time.strftime("%Y-%m-%d %H:%M")
