@@ -66,6 +66,7 @@ def write(
     empty: Callable[[], pa.Schema],
     provenance: dict,
     id_column: str | None = None,
+    top_logprobs: Callable[[dict[str, Any]], int | None] | None = None,
 ) -> None:
     """Write ``batches`` as ``fmt`` at ``path``, atomically, with ``provenance``.
 
@@ -74,6 +75,8 @@ def write(
         provenance: where the rows came from; its ``config_fingerprint`` also
             goes into the Parquet metadata.
         id_column: ``input.id_column``, the requests' ``custom_id`` of ``openai_batch``.
+        top_logprobs: of ``openai_batch``, how many top tokens a row's request asked for
+            (``openai_batch.logprobs_of``; None: none).
     """
     from shardgen.outputs import CONFIG_KEY, PROVENANCE_KEY
 
@@ -94,7 +97,7 @@ def write(
     elif fmt == "hf":
         _write_hf(Path(path), batches, empty, meta, provenance)
     elif fmt == "openai_batch":
-        _write_openai_batch(Path(path), batches, provenance, id_column)
+        _write_openai_batch(Path(path), batches, provenance, id_column, top_logprobs or (lambda row: None))
     else:
         raise ValueError(f"unknown output format {fmt!r}")
 
@@ -158,7 +161,13 @@ def _write_hf(path: Path, batches: Batches, empty: Callable[[], pa.Schema], meta
         replace_dir(Path(f"{tmp}/out"), path)
 
 
-def _write_openai_batch(path: Path, batches: Batches, provenance: dict, id_column: str | None) -> None:
+def _write_openai_batch(
+    path: Path,
+    batches: Batches,
+    provenance: dict,
+    id_column: str | None,
+    top_logprobs: Callable[[dict[str, Any]], int | None],
+) -> None:
     """OpenAI's result and error files, and the provenance naming their digests, in a directory
     written beside ``path`` and swapped into place."""
     task, model = provenance["task"], provenance["model"]
@@ -171,7 +180,8 @@ def _write_openai_batch(path: Path, batches: Batches, provenance: dict, id_colum
         with open(out / openai_batch.OUTPUT, "wb") as ok, open(out / openai_batch.ERRORS, "wb") as failed:
             rows = (row for _, batch in batches for row in batch.to_pylist())
             for request in openai_batch.requests(rows):
-                line = openai_batch.result_line(request, task, model, created, id_column)
+                k = top_logprobs(request[0])
+                line = openai_batch.result_line(request, task, model, created, id_column, k)
                 name, f = (
                     (openai_batch.OUTPUT, ok)
                     if line["response"]["status_code"] == 200

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from shardgen import __version__, cost, formats, heads
+from shardgen import __version__, cost, formats, heads, openai_batch
 from shardgen.config import RunConfig, published_sampling
 from shardgen.errors import MergeError
 from shardgen.io import Dir, atomic_write_text
@@ -229,7 +229,7 @@ def merge(
     dropped = [0] if config.input.step else None
     formats.write(
         config.output.format, output, _batches(manifest, run_dir, checked, dropped), empty, prov,
-        config.input.id_column,
+        config.input.id_column, openai_batch.logprobs_of(config.sampling, config.input.sampling_column),
     )  # fmt: skip
     stats = run.result()
     if dropped is not None:  # rows the step before did not pass on: not this step's rows

@@ -6,8 +6,14 @@ a batch of requests gives back, so that code written for a hosted batch API read
 - ``output.jsonl``: a line per request that got a result, in input order:
   ``{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error": null}``,
   the body a chat completion (``task: generate``: a choice per sample, with
-  its ``message``, ``finish_reason`` and ``index``; ``usage`` with the
-  prompt, completion and total tokens) or an embedding list (``task: embed``);
+  its ``message``, ``finish_reason``, ``index`` and ``logprobs``; ``usage``
+  with the prompt, completion and total tokens), a text completion for a
+  ``/v1/completions`` request of ``input.openai_batch`` (``text`` for
+  ``message``, OpenAI's completions ``logprobs``), or an embedding list
+  (``task: embed``). A request that asked for log-probabilities (the run's
+  ``sampling.logprobs``, or its own ``logprobs``/``top_logprobs``) gets them
+  from the ``logprobs`` column: the sampled token of each position, and the
+  ``top_logprobs`` most likely; the others get ``logprobs: null``;
 - ``errors.jsonl``: a line per request that did not, in input order, with
   ``status_code`` 400 and an ``error`` body: shardgen's per-row error as the
   ``message``, its reason (the error's first word) as the ``code``;
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 OUTPUT, ERRORS, PROVENANCE = "output.jsonl", "errors.jsonl", "provenance.json"
@@ -51,13 +57,25 @@ def _samples(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     first = rows[0]
     if len(rows) == 1 and isinstance(first.get("generation"), list):
         keys = ("generation", "finish_reason", "generated_tokens")
-        keys += tuple(k for k in ("reasoning", "reasoning_tokens") if k in first)  # sampling.reasoning_parser
+        keys += tuple(k for k in ("reasoning", "reasoning_tokens", "logprobs") if k in first)
         return [dict(zip(keys, values, strict=True)) for values in zip(*(first[k] for k in keys), strict=True)]
     return rows
 
 
-def result_line(rows: list[dict[str, Any]], task: str, model: str, created: int, id_column: str | None) -> dict:
-    """The result line of one request (its output rows); ``response.status_code`` 400 for an error line."""
+def result_line(
+    rows: list[dict[str, Any]],
+    task: str,
+    model: str,
+    created: int,
+    id_column: str | None,
+    top_logprobs: int | None = None,
+) -> dict:
+    """The result line of one request (its output rows); ``response.status_code`` 400 for an error line.
+
+    Args:
+        top_logprobs: how many of the most likely tokens the request asked for at each position
+            (``logprobs_of``); its ``logprobs`` column holds them beside the sampled token.
+    """
     first = rows[0]
     index = first["row_index"]
     line = {"id": f"batch_req_{index}", "custom_id": custom_id(first, id_column), "error": None}
@@ -81,6 +99,26 @@ def result_line(rows: list[dict[str, Any]], task: str, model: str, created: int,
         if unfinished:
             return _error(line, index, f"unfinished: the generation ended with finish_reason {unfinished[0]!r}")
         completion = sum(s.get("generated_tokens") or 0 for s in samples)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": prompt_tokens + completion}  # fmt: skip
+        if first.get("url") == COMPLETIONS:  # a completion request (input.openai_batch) gets a completion
+            body = {
+                "id": f"cmpl-{index}",
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": i,
+                        "text": s["generation"],
+                        "finish_reason": s["finish_reason"],
+                        "logprobs": _completion_logprobs(s.get("logprobs"), top_logprobs),
+                    }
+                    for i, s in enumerate(samples)
+                ],
+                "usage": usage,
+            }
+            return {**line, "response": {"status_code": 200, "request_id": f"req_{index}", "body": body}}
         # a reasoning model's trace, as vLLM's server gives it (vllm/entrypoints/openai/chat_completion/
         # protocol.py: ChatMessage.reasoning; serving.py: completion_tokens_details.reasoning_tokens)
         reasons = "reasoning_tokens" in first
@@ -95,15 +133,11 @@ def result_line(rows: list[dict[str, Any]], task: str, model: str, created: int,
                     "message": {"role": "assistant", "content": s["generation"], "refusal": None}
                     | ({"reasoning": s.get("reasoning")} if reasons else {}),
                     "finish_reason": s["finish_reason"],
-                    "logprobs": None,
+                    "logprobs": _chat_logprobs(s.get("logprobs"), top_logprobs),
                 }
                 for i, s in enumerate(samples)
             ],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion,
-            }
+            "usage": usage
             | (
                 {
                     "completion_tokens_details": {
@@ -115,6 +149,58 @@ def result_line(rows: list[dict[str, Any]], task: str, model: str, created: int,
             ),
         }
     return {**line, "response": {"status_code": 200, "request_id": f"req_{index}", "body": body}}
+
+
+# -- Log-probabilities (results.LOGPROB_TYPE: per position the sampled token, then the top-k) ---------
+
+
+def logprobs_of(sampling: Any, sampling_column: str | None) -> Callable[[dict[str, Any]], int | None]:
+    """How many top tokens each request asked for (``top_logprobs``), from its row: the run's
+    ``sampling.logprobs``, or the row's own (``input.sampling_column``)."""
+    from shardgen.rowsampling import row_logprobs
+
+    return lambda row: row_logprobs(sampling, row.get(sampling_column) if sampling_column else None, sampling_column)
+
+
+def _token(entry: dict[str, Any]) -> str:
+    # a token vLLM could not decode alone is named as its server names it
+    return entry["token"] if entry["token"] is not None else f"token_id:{entry['token_id']}"
+
+
+def _logprob(entry: dict[str, Any]) -> float:
+    return max(entry["logprob"], -9999.0)  # as vLLM's server: JSON has no -inf
+
+
+def _top(position: list[dict[str, Any]], k: int | None) -> list[dict[str, Any]]:
+    """The k most likely tokens of a position (the sampled one is among them only if it is one)."""
+    return sorted(position, key=lambda e: -e["logprob"])[: k or 0]
+
+
+def _chat_logprobs(positions: list[list[dict[str, Any]]] | None, k: int | None) -> dict[str, Any] | None:
+    """OpenAI's ``ChoiceLogprobs``: per generated token, it and its k most likely alternatives."""
+    if positions is None:
+        return None
+
+    def entry(e: dict[str, Any]) -> dict[str, Any]:
+        token = _token(e)
+        return {"token": token, "logprob": _logprob(e), "bytes": list(token.encode("utf-8", errors="replace"))}
+
+    content = [{**entry(p[0]), "top_logprobs": [entry(e) for e in _top(p, k)]} for p in positions]
+    return {"content": content, "refusal": None}
+
+
+def _completion_logprobs(positions: list[list[dict[str, Any]]] | None, k: int | None) -> dict[str, Any] | None:
+    """OpenAI's completions ``Logprobs``: the tokens, their log-probabilities, the k most likely at each
+    position, and where each token starts in the text."""
+    if positions is None:
+        return None
+    tokens = [_token(p[0]) for p in positions]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(p[0]) for p in positions],
+        "top_logprobs": [{_token(e): _logprob(e) for e in _top(p, k)} for p in positions],
+        "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=0))[: len(tokens)],
+    }
 
 
 def _error(line: dict[str, Any], index: int, message: str) -> dict[str, Any]:

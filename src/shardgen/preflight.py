@@ -369,7 +369,8 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
             lora.adapter_name(config.lora, row, build)
             row_images(config.prompt.images, row)  # decoded here: a column of broken images is found now
             if (column := config.input.sampling_column) and row.get(column) is not None:
-                rowsampling.sampling_params(config.sampling, row[column], column)  # the row's own sampling
+                own_n = config.output.samples == "list"
+                rowsampling.sampling_params(config.sampling, row[column], column, own_n=own_n)  # the row's own
             prompts.append((index, row, renderer.render(row)))
         except RowError as e:
             row_error(index, row, e)

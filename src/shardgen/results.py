@@ -60,7 +60,8 @@ class Sample:
     text: str | None
     finish_reason: str | None
     generated_tokens: int
-    # per position: (token_id, token, logprob) of the top-k and the sampled token
+    # per position: (token_id, token, logprob) of the sampled token, then the top-k most likely first
+    # (the sampled one once: k + 1 entries when it is not among them)
     logprobs: list[list[tuple[int, str | None, float]]] | None = None
     # log-probabilities of chosen token ids at the answer's first position
     first_logprobs: dict[int, float] | None = None
@@ -150,6 +151,10 @@ class ResultSpec(Columns):
         choice_probs: ``output.choice_probs``.
         choice_token_ids: the first token of each label (``output.choice_probs``),
             as the engine's tokenizer encodes it.
+        per_row: whether rows have their own sampling (``input.sampling_column``):
+            with ``samples: list`` the columns are lists whatever the run's ``n``
+            (a row may set its own), and a ``logprobs`` column is kept (null
+            for a row that asks for none) unless ``choice_probs`` takes them.
     """
 
     def __init__(
@@ -158,9 +163,10 @@ class ResultSpec(Columns):
         samples: str = "rows",
         choice_probs: bool = False,
         choice_token_ids: Sequence[int] | None = None,
+        per_row: bool = False,
     ) -> None:
         self.n: int = sampling.get("n", 1)
-        self.as_list = self.n > 1 and samples == "list"
+        self.as_list = samples == "list" and (self.n > 1 or per_row)
         self.as_rows = self.n > 1 and not self.as_list
         structured = sampling.get("structured_outputs") or {}
         self.json_schema = structured.get("json")
@@ -171,6 +177,8 @@ class ResultSpec(Columns):
         if self.choice_token_ids and len(self.choice_token_ids) != len(self.choices or []):
             raise ValueError("choice_token_ids must give one token per label")
         self.logprobs: int | None = sampling.get("logprobs")
+        # a column even when the run asks for none: a row may (rowsampling)
+        self.logprobs_column = self.logprobs is not None or (per_row and not choice_probs)
         self.reasoning = bool(sampling.get("reasoning_parser"))
         self.json_type = json_arrow_type(self.json_schema) if self.json_schema is not None else None
         self._validator = None
@@ -182,7 +190,9 @@ class ResultSpec(Columns):
     @classmethod
     def of(cls, config: RunConfig, choice_token_ids: Sequence[int] | None = None) -> ResultSpec:
         """The result columns of a run."""
-        return cls(config.sampling, config.output.samples, config.output.choice_probs, choice_token_ids)
+        out = config.output
+        per_row = config.input.sampling_column is not None
+        return cls(config.sampling, out.samples, out.choice_probs, choice_token_ids, per_row)
 
     @property
     def rows_per_input(self) -> int:  # type: ignore[override]
@@ -201,7 +211,7 @@ class ResultSpec(Columns):
         if self.choice_probs:
             fields.append(pa.field("label_prob", pa.float64()))
             fields.append(pa.field("choice_probs", pa.struct([(c, pa.float64()) for c in self.choices or []])))
-        if self.logprobs is not None:
+        if self.logprobs_column:
             fields.append(pa.field("logprobs", LOGPROB_TYPE))
         return fields
 
@@ -260,7 +270,7 @@ class ResultSpec(Columns):
             probs = self._choice_probs(s)
             out["choice_probs"] = probs
             out["label_prob"] = probs.get(out["label"]) if probs and out.get("label") else None
-        if self.logprobs is not None:
+        if self.logprobs_column:
             out["logprobs"] = s.logprobs
         return out
 

@@ -12,8 +12,16 @@ column); null, or a null field, keeps the run's value. What a row may set:
   {"schema": ...}}`` or ``{"type": "json_object"}`` constrain the row's text to
   JSON (``text`` changes nothing); only in a run whose config sets no
   ``structured_outputs``, whose columns (``label``, ``parsed``) are the run's;
-- ``n``, ``logprobs`` and ``top_logprobs`` decide the output's rows and
-  columns, which are the run's: a row may repeat the run's value, not change it;
+- ``n``: the row's number of samples. It changes the rows an input row
+  gives where samples are rows (``output.samples: rows``, whose count the
+  exactly-once checks take from the run's ``n``), so there a row may only
+  repeat the run's; with ``output.samples: list`` (one output row per input
+  row, whatever its samples) any ``n`` >= 1;
+- ``logprobs`` and ``top_logprobs``: OpenAI's chat pair (``logprobs: true``
+  and ``top_logprobs: k``, 0 to 20; an absent ``top_logprobs`` keeps the run's
+  ``sampling.logprobs``, else 0), or an integer ``logprobs: k`` (vLLM's, and
+  OpenAI's completions); ``logprobs: false`` drops them. The row's
+  ``logprobs`` column holds them (null for a row without);
 - ``user``, ``metadata``, ``store``, ``stream``, ``model`` change no result and
   are ignored (``model``: the run serves one).
 
@@ -46,7 +54,7 @@ REPLACED = {
 NUMBER, INTEGER = "a number", "an integer"
 TYPES = {"max_tokens": INTEGER, "seed": INTEGER, "temperature": NUMBER, "top_p": NUMBER,
          "presence_penalty": NUMBER, "frequency_penalty": NUMBER}  # fmt: skip
-FIXED = ("n", "logprobs", "top_logprobs")  # decide the output's rows and columns
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and vLLM's default max_logprobs
 IGNORED = frozenset({"user", "metadata", "store", "stream", "model"})
 REASON = "invalid_sampling"
 
@@ -71,15 +79,22 @@ def overrides(value: Any, column: str) -> dict[str, Any]:
     return {k: v for k, v in value.items() if v is not None}
 
 
-def row_sampling(run: Mapping[str, Any], given: Mapping[str, Any], column: str) -> dict[str, Any]:
+def row_sampling(
+    run: Mapping[str, Any], given: Mapping[str, Any], column: str, *, own_n: bool = False
+) -> dict[str, Any]:
     """The sampling of one row: the run's ``sampling`` (vLLM's names) with the row's fields in.
+
+    Args:
+        own_n: whether the row may have its own ``n`` (``output.samples: list``).
 
     Raises:
         RowError: a field the row may not set, or a value the run decides.
     """
     out = dict(run)
+    if "logprobs" in given or "top_logprobs" in given:
+        out["logprobs"] = _logprobs(run, given, column)
     for field, value in given.items():
-        if field in IGNORED:
+        if field in IGNORED or field in ("logprobs", "top_logprobs"):
             continue
         if field in REPLACED:
             _check_type(field, REPLACED[field], value, column)
@@ -90,13 +105,16 @@ def row_sampling(run: Mapping[str, Any], given: Mapping[str, Any], column: str) 
                 raise RowError(REASON, f"{column}.response_format: the run's sampling.structured_outputs decide it")
             if (structured := _structured(value, column)) is not None:
                 out["structured_outputs"] = structured
-        elif field in FIXED:
-            if value != _run_value(run, field):
+        elif field == "n":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise RowError(REASON, f"{column}.n: an integer of at least 1, not {value!r}")
+            if value != run.get("n", 1) and not own_n:
                 raise RowError(
                     REASON,
-                    f"{column}.{field}: {value!r}, but the run's is {_run_value(run, field)!r}: it decides the "
-                    "output's rows and columns, so a row cannot change it",
+                    f"{column}.n: {value}, but the run's is {run.get('n', 1)}: with output.samples rows it decides "
+                    "how many rows each input row gives, so a row's own n needs output.samples: list",
                 )
+            out["n"] = value
         else:
             raise RowError(REASON, f"{column}.{field}: not a sampling field shardgen passes on (it would change "
                            "the result, so the row is not run without it)")  # fmt: skip
@@ -116,13 +134,40 @@ def _check_type(field: str, key: str, value: Any, column: str) -> None:
         raise RowError(REASON, f"{column}.{field}: {want}, not {value!r}")
 
 
-def _run_value(run: Mapping[str, Any], field: str) -> Any:
-    """The run's value of an OpenAI field that decides the output's shape."""
-    if field == "n":
-        return run.get("n", 1)
-    if field == "logprobs":  # OpenAI: a bool; vLLM: how many
-        return run.get("logprobs") is not None
-    return run.get("logprobs")  # top_logprobs
+def _logprobs(run: Mapping[str, Any], given: Mapping[str, Any], column: str) -> int | None:
+    """vLLM's ``logprobs`` (how many top tokens besides the sampled one; None: none) of a row that
+    sets OpenAI's ``logprobs`` or ``top_logprobs``."""
+    asked, top = given.get("logprobs"), given.get("top_logprobs")
+    if top is not None:
+        _check_count(f"{column}.top_logprobs", top)
+    if asked is None:
+        asked = run.get("logprobs") is not None
+    if asked is False:
+        if top is not None:
+            raise RowError(REASON, f"{column}.top_logprobs: needs logprobs true")
+        return None
+    if asked is True:
+        return top if top is not None else (run.get("logprobs") or 0)
+    _check_count(f"{column}.logprobs", asked)  # an integer: vLLM's, and OpenAI's completions
+    if top is not None:
+        raise RowError(REASON, f"{column}.top_logprobs: with logprobs true, not with logprobs {asked}")
+    return asked
+
+
+def _check_count(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise RowError(REASON, f"{name}: true, false or an integer from 0 to {MAX_TOP_LOGPROBS}, not {value!r}")
+
+
+def row_logprobs(run: Mapping[str, Any], value: Any, column: str | None) -> int | None:
+    """How many top tokens a row's ``logprobs`` column holds at each position besides the sampled one
+    (vLLM's ``logprobs``; None: the row asked for none, or its sampling is not valid)."""
+    if not column or value is None:
+        return run.get("logprobs")
+    try:
+        return row_sampling(run, overrides(value, column), column, own_n=True).get("logprobs")
+    except RowError:
+        return None
 
 
 def _structured(value: Any, column: str) -> dict[str, Any] | None:
@@ -137,10 +182,21 @@ def _structured(value: Any, column: str) -> dict[str, Any] | None:
     raise RowError(REASON, f"{column}.response_format: type text, json_object or json_schema (with a schema)")
 
 
-def sampling_params(run: Mapping[str, Any], value: Any, column: str, choice_token_ids: list[int] | None = None):
+def sampling_params(
+    run: Mapping[str, Any],
+    value: Any,
+    column: str,
+    choice_token_ids: list[int] | None = None,
+    *,
+    own_n: bool = False,
+):
     """vLLM's ``SamplingParams`` of a row whose ``column`` holds ``value``, and the row's own seed (None:
     the run's rule). Built anew, so that what vLLM derives from a field (the stop strings' buffer)
     follows the row's value, and checked by vLLM itself.
+
+    Args:
+        choice_token_ids: ``output.choice_probs``' tokens, which take the log-probabilities.
+        own_n: whether the row may have its own ``n`` (``output.samples: list``).
 
     Raises:
         RowError: naming the column and field.
@@ -150,7 +206,9 @@ def sampling_params(run: Mapping[str, Any], value: Any, column: str, choice_toke
     from shardgen.engine import make_sampling_params
 
     given = overrides(value, column)
-    sampling = row_sampling(run, given, column)
+    sampling = row_sampling(run, given, column, own_n=own_n)
+    if choice_token_ids and sampling.get("logprobs") is not None:
+        raise RowError(REASON, f"{column}.logprobs: output.choice_probs takes the log-probabilities of this run")
     seed = given.get("seed")
     try:
         return make_sampling_params(sampling, choice_token_ids), seed

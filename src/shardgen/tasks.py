@@ -169,8 +169,9 @@ class GenerateTask(Task):
         own_seed = None
         if self.sampling_column and row.get(self.sampling_column) is not None:  # input.sampling_column
             params, own_seed = rowsampling.sampling_params(
-                self.run_sampling, row[self.sampling_column], self.sampling_column, self.spec.choice_token_ids
-            )
+                self.run_sampling, row[self.sampling_column], self.sampling_column, self.spec.choice_token_ids,
+                own_n=self.spec.as_list,
+            )  # fmt: skip
         else:
             params = copy.copy(self.sampling)
         params.skip_clone = True
@@ -198,8 +199,12 @@ def _sample(out: Any, splitter: reasoning.Splitter | None = None, prompt_token_i
     first = None
     if out.logprobs:
         positions = []
-        for lp in out.logprobs:
-            ranked = sorted(lp.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
+        # the sampled token first (which the top-k alone would not tell: OpenAI's logprobs need it),
+        # then the top-k, most likely first
+        for sampled, lp in zip(out.token_ids, out.logprobs, strict=False):
+            ranked = sorted(
+                lp.items(), key=lambda kv: (kv[0] != sampled, kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob)
+            )
             positions.append([(int(t), v.decoded_token, float(v.logprob)) for t, v in ranked])
         if answer_at < len(out.logprobs) and not (split and split.error):
             first = {int(t): float(v.logprob) for t, v in out.logprobs[answer_at].items()}

@@ -74,6 +74,8 @@ INVALID_REQUESTS = {
     19: ({"url": "/v1/responses"}, "url: '/v1/responses' is none of"),
     33: ({"logit_bias": {"50": 5}}, "body.logit_bias: not a sampling field"),
 }
+# Requests with their own n and log-probabilities (5: temperature 0.8, 10: greedy)
+OWN_SAMPLES = {5: {"n": 2, "logprobs": True, "top_logprobs": 2}, 10: {"logprobs": True, "top_logprobs": 1}}
 
 
 def batch_run(tmp_path, rows: int) -> tuple[dict, dict[str, int]]:
@@ -86,7 +88,7 @@ def batch_run(tmp_path, rows: int) -> tuple[dict, dict[str, int]]:
         request = {"custom_id": f"req-{i:03d}", "method": "POST", "url": "/v1/chat/completions", "body": body}
         change, _ = INVALID_REQUESTS.get(i, ({}, None))
         request["url"] = change.pop("url", request["url"])
-        body.update(change)
+        body.update(change, **OWN_SAMPLES.get(i, {}))
         limits[request["custom_id"]] = body["max_tokens"]
         lines.append(json.dumps(request))
     (tmp_path / "data").mkdir(parents=True, exist_ok=True)
@@ -96,7 +98,7 @@ def batch_run(tmp_path, rows: int) -> tuple[dict, dict[str, int]]:
         shards={"rows_per_shard": rows},
         checkpoint={"rows": 4, "seconds": 300},
         sampling={"temperature": 0.0, "max_tokens": 24, "ignore_eos": True},
-        output={"format": "openai_batch"},
+        output={"format": "openai_batch", "samples": "list"},  # a request's own n: samples as lists
         errors={"max_rate": 0.2},
     )
     del config["prompt"]  # the requests' messages are the prompts
@@ -105,8 +107,9 @@ def batch_run(tmp_path, rows: int) -> tuple[dict, dict[str, int]]:
 
 
 def test_kill_9_loses_only_unsaved_rows_and_a_rerun_after_the_retries_are_used_up_resumes(tmp_path):
-    """Also: an OpenAI batch file in and out, each request with its own sampling, the invalid ones in
-    the error file; the rerun keeps every request exactly once, in input order."""
+    """Also: an OpenAI batch file in and out, each request with its own sampling (one with its own n
+    and logprobs, one with logprobs), the invalid ones in the error file; the rerun keeps every
+    request exactly once, in input order."""
     from openai.types.chat import ChatCompletion
 
     rows = 60
@@ -129,7 +132,15 @@ def test_kill_9_loses_only_unsaved_rows_and_a_rerun_after_the_retries_are_used_u
     assert [line["custom_id"] for line in ok] == valid, "every valid request exactly once, in input order"
     for line in ok:
         completion = ChatCompletion.model_validate(line["response"]["body"])
-        assert completion.usage.completion_tokens == limits[line["custom_id"]], "each within its own max_tokens"
+        own = OWN_SAMPLES.get(int(line["custom_id"][4:]), {})
+        n, tokens = own.get("n", 1), limits[line["custom_id"]]
+        assert completion.usage.completion_tokens == tokens * n, "each within its own max_tokens"
+        assert len(completion.choices) == n and all(bool(c.logprobs) == bool(own) for c in completion.choices)
+        for choice in completion.choices if own else []:  # each token and the request's top_logprobs
+            assert len(choice.logprobs.content) == tokens
+            assert all(len(t.top_logprobs) == own["top_logprobs"] for t in choice.logprobs.content)
+        if own and own["top_logprobs"] == 1:  # greedy: the sampled token is the most likely one
+            assert all(t.top_logprobs[0].token == t.token for t in completion.choices[0].logprobs.content)
     assert [line["custom_id"] for line in failed] == [f"req-{i:03d}" for i in INVALID_REQUESTS]
     for line, (_, said) in zip(failed, INVALID_REQUESTS.values(), strict=True):
         assert said in line["response"]["body"]["error"]["message"], line

@@ -85,6 +85,60 @@ def test_samples_as_lists_and_no_id_column_give_the_same_choices_with_the_row_in
     assert [c.message.content for c in completion.choices] == ["a", "b"] and completion.usage.completion_tokens == 3
 
 
+def position(sampled: tuple[int, str | None, float], *top: tuple[int, str | None, float]) -> list[dict]:
+    """A ``logprobs`` cell's position as the writer reads it: the sampled token, then the top-k."""
+    return [{"token_id": t, "token": s, "logprob": lp} for t, s, lp in (sampled, *top)]
+
+
+def test_log_probabilities_are_openais_chat_and_completions_logprobs_with_each_requests_own_top_k(tmp_path):
+    from openai.types import Completion
+
+    from shardgen.openai_batch import logprobs_of
+
+    # per position the sampled token, then the top-k (k + 1 entries where the sampled one is not in it)
+    two = [position((5, "Hé", -0.1), (6, "Hey", -2.5)), position((9, None, -7.0), (7, "!", -0.3), (8, ".", -1.5))]
+    chat = '{"n": 2, "temperature": 0.8, "logprobs": true, "top_logprobs": 1}'
+    rows = [
+        # a chat request with its own n and logprobs: samples as lists, one row
+        {"custom_id": "c", "url": "/v1/chat/completions", "body": chat, "row_index": 0, "prompt_tokens": 4,
+         "generation": ["Hé!", "Hé"], "finish_reason": ["stop", "length"], "generated_tokens": [2, 1],
+         "logprobs": [two, two[:1]], "error": None},
+        # a completion request asking vLLM's way (an integer)
+        {"custom_id": "p", "url": "/v1/completions", "body": '{"logprobs": 2}', "row_index": 1, "prompt_tokens": 3,
+         "generation": ["Hé!"], "finish_reason": ["stop"], "generated_tokens": [2], "logprobs": [two],
+         "error": None},
+        # a request that asked for none
+        {"custom_id": "x", "url": "/v1/chat/completions", "body": None, "row_index": 2, "prompt_tokens": 3,
+         "generation": ["No"], "finish_reason": ["stop"], "generated_tokens": [1], "logprobs": [None],
+         "error": None},
+    ]  # fmt: skip
+    table = pa.Table.from_pylist(rows)
+    out = tmp_path / "openai"
+    batches = ((table.schema, b) for b in table.to_batches(max_chunksize=2))
+    formats.write("openai_batch", out, batches, lambda: table.schema, PROV, "custom_id", logprobs_of({}, "body"))
+    c, p, x = (json.loads(line) for line in (out / "output.jsonl").read_text().splitlines())
+
+    completion = ChatCompletion.model_validate(c["response"]["body"])
+    assert len(completion.choices) == 2 and completion.usage.completion_tokens == 3
+    content = completion.choices[0].logprobs.content
+    assert [t.token for t in content] == ["Hé", "token_id:9"] and content[0].bytes == list("Hé".encode())
+    assert content[1].logprob == pytest.approx(-7.0)  # the sampled token, outside the top 1
+    top = [[(a.token, round(a.logprob, 2)) for a in t.top_logprobs] for t in content]
+    assert top == [[("Hé", -0.1)], [("!", -0.3)]]
+    assert len(completion.choices[1].logprobs.content) == 1
+
+    text = Completion.model_validate(p["response"]["body"])
+    assert text.object == "text_completion" and text.choices[0].text == "Hé!"
+    lp = text.choices[0].logprobs
+    assert lp.tokens == ["Hé", "token_id:9"] and lp.token_logprobs == pytest.approx([-0.1, -7.0])
+    assert lp.top_logprobs == [{"Hé": pytest.approx(-0.1), "Hey": pytest.approx(-2.5)},
+                               {"!": pytest.approx(-0.3), ".": pytest.approx(-1.5)}]  # fmt: skip
+    assert lp.text_offset == [0, 2]
+
+    plain = ChatCompletion.model_validate(x["response"]["body"])
+    assert plain.choices[0].logprobs is None
+
+
 def test_an_embedding_run_gives_openais_embedding_list(tmp_path):
     empty = "empty_prompt: nothing to embed"
     rows = [{"id": "p0", "row_index": 0, "prompt_tokens": 5, "embedding": [0.6, 0.8], "error": None},

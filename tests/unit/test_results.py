@@ -130,6 +130,21 @@ def test_top_logprobs_are_kept_per_position():
     assert t.column("logprobs").to_pylist()[0][1][0] == {"token_id": 7, "token": "!", "logprob": pytest.approx(-0.3)}
 
 
+def test_rows_with_their_own_sampling_and_samples_as_lists_get_list_columns_and_a_logprobs_column_at_n_1():
+    spec = ResultSpec({}, samples="list", per_row=True)  # a row may set n and logprobs
+    assert spec.rows_per_input == 1 and spec.as_list
+    lp = [[(5, "Hi", -0.1)]]
+    (one,) = spec.rows(ROW, 0, 5, [Sample("Hi", "stop", 1, logprobs=lp), Sample("Yo", "stop", 1)])
+    (plain,) = spec.rows(ROW, 1, 5, [Sample("Hey", "stop", 1)])  # a row that asked for none
+    t = table(spec, [one, plain])
+    assert t.column("generation").to_pylist() == [["Hi", "Yo"], ["Hey"]]
+    assert t.column("logprobs").to_pylist()[1] == [None] and t.column("logprobs").to_pylist()[0][1] is None
+    # runs without per-row sampling keep their columns; choice_probs take the log-probabilities
+    assert "logprobs" not in ResultSpec({}).names and not ResultSpec({}, samples="list").as_list
+    assert "logprobs" not in ResultSpec({"structured_outputs": {"choice": ["a"]}}, "rows", True, per_row=True).names
+    assert "logprobs" in ResultSpec({}, per_row=True).names and not ResultSpec({}, per_row=True).as_list
+
+
 def test_a_list_mode_error_names_the_sample():
     spec = ResultSpec({"n": 2, "structured_outputs": {"choice": ["a", "b"]}}, samples="list")
     (row,) = spec.rows(ROW, 0, 5, [Sample("a", "stop", 1), Sample("c", "stop", 1)])

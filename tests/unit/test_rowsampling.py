@@ -7,7 +7,7 @@ import pytest
 
 from shardgen import config as cfg
 from shardgen.errors import ConfigError, RowError
-from shardgen.rowsampling import overrides, row_sampling, sampling_params
+from shardgen.rowsampling import overrides, row_logprobs, row_sampling, sampling_params
 from tests.conftest import TEST_MODEL_CFG
 
 RUN = {"max_tokens": 32, "temperature": 0.0, "n": 1}
@@ -49,8 +49,12 @@ def test_openais_names_map_to_vllms_and_a_json_schema_response_format_constrains
 @pytest.mark.parametrize(
     ("row", "said"),
     [
-        ({"n": 3}, "params.n: 3, but the run's is 1"),
-        ({"logprobs": True}, "params.logprobs: True, but the run's is False"),
+        ({"n": 3}, "params.n: 3, but the run's is 1: .* needs output.samples: list"),
+        ({"n": 0}, "params.n: an integer of at least 1, not 0"),
+        ({"logprobs": True, "top_logprobs": 21}, "params.top_logprobs: true, false or an integer from 0 to 20"),
+        ({"logprobs": False, "top_logprobs": 2}, "params.top_logprobs: needs logprobs true"),
+        ({"logprobs": 3, "top_logprobs": 2}, "params.top_logprobs: with logprobs true, not with logprobs 3"),
+        ({"top_logprobs": 2}, "params.top_logprobs: needs logprobs true"),
         ({"tools": [{"type": "function"}]}, "params.tools: not a sampling field"),
         ({"response_format": {"type": "xml"}}, "params.response_format: type text, json_object or json_schema"),
     ],
@@ -85,3 +89,42 @@ def test_the_column_is_for_generation_and_must_be_in_the_input():
             "model": {**TEST_MODEL_CFG, "runner": "pooling"}, "task": "embed"}  # fmt: skip
     with pytest.raises(ConfigError, match="input.sampling_column sets sampling per row: for task generate"):
         cfg.RunConfig.from_dict(base)
+
+
+@pytest.mark.parametrize(
+    ("run", "row", "logprobs"),
+    [
+        (RUN, {"logprobs": True, "top_logprobs": 3}, 3),  # OpenAI's chat pair
+        (RUN, {"logprobs": True}, 0),  # the sampled token alone
+        (RUN, {"logprobs": 2}, 2),  # vLLM's, and OpenAI's completions
+        ({**RUN, "logprobs": 4}, {"logprobs": True}, 4),  # an absent top_logprobs keeps the run's
+        ({**RUN, "logprobs": 4}, {"top_logprobs": 1}, 1),
+        ({**RUN, "logprobs": 4}, {"logprobs": False}, None),
+    ],
+)
+def test_a_rows_own_logprobs_are_vllms_count_of_top_tokens(run, row, logprobs):
+    assert row_sampling(run, row, "p").get("logprobs") == logprobs
+    assert row_logprobs(run, row, "p") == logprobs
+
+
+def test_a_rows_own_n_is_its_samples_where_samples_are_lists_and_the_params_carry_it():
+    assert row_sampling(RUN, {"n": 3}, "p", own_n=True)["n"] == 3
+    row = {"n": 3, "temperature": 0.8, "logprobs": True, "top_logprobs": 2}
+    params, _ = sampling_params(RUN, row, "p", own_n=True)
+    assert (params.n, params.logprobs) == (3, 2)
+    with pytest.raises(RowError, match="n must be 1 when using greedy sampling"):  # vLLM's check, the row's error
+        sampling_params(RUN, {"n": 3}, "p", own_n=True)
+    # the run's own n is no change, whatever the layout
+    assert row_sampling({**RUN, "n": 2}, {"n": 2}, "p")["n"] == 2
+
+
+def test_the_logprobs_a_writer_expects_of_a_row_are_the_runs_without_a_value_and_none_for_an_invalid_one():
+    assert row_logprobs({**RUN, "logprobs": 5}, None, "p") == 5
+    assert row_logprobs(RUN, None, None) is None
+    assert row_logprobs(RUN, '{"logprobs": true, "top_logprobs": 2}', "body") == 2
+    assert row_logprobs(RUN, {"temperature": "hot"}, "p") is None  # the row is an error row
+
+
+def test_a_rows_logprobs_in_a_run_whose_choice_probs_take_them_are_refused():
+    with pytest.raises(RowError, match="p.logprobs: output.choice_probs takes the log-probabilities"):
+        sampling_params(RUN, {"logprobs": True}, "p", [11, 12])

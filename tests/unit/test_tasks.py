@@ -321,3 +321,20 @@ def test_a_datasets_image_column_saved_to_disk_reaches_the_feed_as_cells_that_de
     rows = [r for b in manifest.source().read(manifest.shard("00000").segments) for r in b.to_pylist()]
     assert set(rows[0]["photo"]) == {"bytes", "path"}
     assert [row_images(("photo",), r)[0].getpixel((0, 0)) for r in rows] == colors
+
+
+def test_a_positions_log_probabilities_put_the_sampled_token_first_then_the_top_k_by_rank():
+    """vLLM's dict of a position holds the top-k and the sampled token; which one was sampled is what
+    OpenAI's logprobs need, and a temperature > 0 may sample any of them, or one outside the top-k."""
+    from types import SimpleNamespace
+
+    from shardgen.tasks import _sample
+
+    def lp(logprob: float, rank: int) -> SimpleNamespace:
+        return SimpleNamespace(logprob=logprob, rank=rank, decoded_token=f"t{rank}")
+
+    inside = {3: lp(-1.5, 2), 1: lp(-0.5, 1), 7: lp(-2.0, 3)}  # sampled 3, rank 2 of the top 3
+    outside = {9: lp(-6.0, 40), 1: lp(-0.2, 1), 2: lp(-1.9, 2), 4: lp(-2.2, 3)}  # sampled 9, rank 40
+    out = SimpleNamespace(text="ab", token_ids=[3, 9], finish_reason="stop", index=0, logprobs=[inside, outside])
+    positions = _sample(out).logprobs
+    assert [[t for t, _, _ in p] for p in positions] == [[3, 1, 7], [9, 1, 2, 4]]
