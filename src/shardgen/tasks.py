@@ -126,10 +126,15 @@ class GenerateTask(Task):
     def content(cls, config: Mapping[str, Any]) -> dict[str, Any]:
         """Sampling and the output's columns, without ``task``: the fingerprints of generation runs made
         before ``task`` existed stay as they were."""
-        return {
+        out = {
             "sampling": config.get("sampling", {}),
             "output": {k: config["output"].get(k) for k in CONTENT_OUTPUT_KEYS},
         }
+        if config.get("sampling", {}).get("logprobs") is not None or config["input"].get("sampling_column"):
+            # each position's log-probabilities list the sampled token first (results.py), and a run with
+            # a sampling column has the column: shards made before are not this run's
+            out["logprobs"] = "sampled first"
+        return out
 
     @classmethod
     def columns(cls, config: RunConfig, head: Any = None, choice_token_ids: Sequence[int] | None = None) -> Columns:
