@@ -876,19 +876,7 @@ def step_modes(work: Path, args: argparse.Namespace) -> dict[str, Any]:
             "resources": {"mem_mb": 6000, "cpus_per_task": 2, "runtime": 30},
         }
         (d / "config.yaml").write_text(yaml.safe_dump(config))
-        cmd = [
-            str(BIN / "snakemake"),
-            "--snakefile",
-            str(ROOT / "Snakefile"),
-            "--directory",
-            str(d),
-            "--profile",
-            str(ROOT / "profiles" / "slurm"),
-            "--default-resources",
-            f"slurm_partition={args.partition}",
-            "--configfile",
-            str(d / "config.yaml"),
-        ]
+        cmd = slurm_workflow(d, args)
         say(f"modes: {mode}, {len(words) // 4} shards on the local Slurm")
         t = time.monotonic()
         with (d / "snakemake.log").open("w") as f:
@@ -925,6 +913,19 @@ def step_modes(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         "what": "real runs (vLLM CPU build, SmolLM2-135M, local Slurm, one job at a time): 48 rows, 12 shards",
         "runs": runs,
     }
+
+
+def slurm_workflow(d: Path, args: argparse.Namespace, *options: str) -> list[str]:
+    """The workflow on ``d/config.yaml`` in ``d``, through the Slurm profile on ``args.partition``."""
+    return [
+        str(BIN / "snakemake"),
+        "--snakefile", str(ROOT / "Snakefile"),
+        "--directory", str(d),
+        "--profile", str(ROOT / "profiles" / "slurm"),
+        "--default-resources", f"slurm_partition={args.partition}",
+        *options,
+        "--configfile", str(d / "config.yaml"),
+    ]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -972,21 +973,7 @@ def uneven_run(d: Path, shards_cfg: dict[str, Any], args: argparse.Namespace) ->
         "resources": {"mem_mb": 6000, "cpus_per_task": 1, "runtime": 30},
     }
     (d / "config.yaml").write_text(yaml.safe_dump(config))
-    cmd = [
-        str(BIN / "snakemake"),
-        "--snakefile",
-        str(ROOT / "Snakefile"),
-        "--directory",
-        str(d),
-        "--profile",
-        str(ROOT / "profiles" / "slurm"),
-        "--default-resources",
-        f"slurm_partition={args.partition}",
-        "--retries",
-        "0",
-        "--configfile",
-        str(d / "config.yaml"),
-    ]
+    cmd = slurm_workflow(d, args, "--retries", "0")
     t = time.monotonic()
     with (d / "snakemake.log").open("w") as f:
         rc = subprocess.call(cmd, cwd=d, env=child_env(), stdout=f, stderr=subprocess.STDOUT, timeout=1800)
