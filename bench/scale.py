@@ -42,7 +42,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from shardgen import config as cfg  # noqa: E402
-from shardgen import plan  # noqa: E402
+from shardgen import plan, splits  # noqa: E402
 from shardgen.engine import engine_kwargs  # noqa: E402
 from shardgen.generate import shard_fingerprint  # noqa: E402
 from shardgen.io import atomic_write_text  # noqa: E402
@@ -653,11 +653,14 @@ class Cluster:
     queue_s: float = 15.0  # from a GPU freeing to the next job starting on it
     per_job: int = 10
     seed: int = 0
-    rows_per_shard: int = 1000
+    rows_per_shard: int = 10000  # shards.rows_per_shard's default
     shard_overhead_s: float = 5.0  # a worker between two shards: claim, open the input, commit
     failures_per_gpu_hour: float = 0.01  # a worker's job dies (node lost, ...)
     checkpoint_s: float = 300.0  # a failed shard resumes from its last checkpoint (checkpoint.seconds)
     end_watch_s: float = 90.0  # a worker with no shard left watches the others' claims (1.5 heartbeats)
+    split_seconds: float = 60.0  # shards.split_seconds
+    held_rows: int = 512  # rows a holder has read and not finished: in flight (2 x max_num_seqs 256)
+    read_ahead_rows: int = 0  # and read ahead to be sorted (prompt.order: prefix, 4 x that)
 
 
 def simulate(c: Cluster, mode: str, work: list[float]) -> dict[str, Any]:
@@ -718,14 +721,25 @@ def sim_plan(c: Cluster, density: np.ndarray, tail: bool, estimate: str) -> tupl
     return Manifest({"version": plan.MANIFEST_VERSION, "total_rows": total, "shards": shards}), works
 
 
-def simulate_workers(c: Cluster, order: list[str], work: dict[str, float]) -> dict[str, Any]:
+def simulate_workers(
+    c: Cluster, order: list[str], work: dict[str, float], split: bool = False, rows: dict[str, int] | None = None
+) -> dict[str, Any]:
     """Elastic workers, one per GPU, taking shards in ``order`` (what ``ClaimBoard.next`` does: the
     first shard nobody claimed), with the engine start, ``c.shard_overhead_s`` per shard, ``c.end_watch_s``
     billed to a worker that found none left, and failures:
     a worker's job dies after an exponential time of generation (``c.failures_per_gpu_hour``); its
     retry queues (``c.queue_s``), starts an engine and takes its claim back first, resuming the shard
     from its last checkpoint (``c.checkpoint_s`` of generation). Billed: every job from its start to
-    its end."""
+    its end.
+
+    ``split``: a worker that finds no shard left asks for a split as ``splits.Thief`` does, with the
+    package's own choice (``splits.victim``: the running piece with the most time left, over
+    ``c.split_seconds``; a piece whose holder declined is asked again after that long) and cut
+    (``splits.cut_point``: the holder keeps the ``c.held_rows`` rows it has read and not finished, and
+    half of the rest go), answered within ``splits.POLL_S``; the new piece is taken like a shard. Rows
+    read ahead to be sorted (``c.read_ahead_rows``, ``prompt.order: prefix``) are read no more once
+    the holder was asked (``feed.ShardFeed._poll``): they drain as it generates. A shard's work is
+    spread evenly over its rows."""
     import heapq
 
     rng = np.random.default_rng([c.seed, 1])
@@ -735,44 +749,114 @@ def simulate_workers(c: Cluster, order: list[str], work: dict[str, float]) -> di
         return rng.exponential(1 / rate) if rate else float("inf")
 
     left = iter(order)
-    free = [(c.engine_start_s, w) for w in range(c.gpus)]  # when each worker's engine takes its next shard
+    pieces: list[tuple[float, str, int, int, float]] = []  # unclaimed pieces: (-rows, id, start, stop, s/row)
+    events = [(c.engine_start_s, w, 0) for w in range(c.gpus)]  # (time, worker, version): its next look
+    version = [0] * c.gpus
     job_start = [0.0] * c.gpus
     budget = [until_failure() for _ in range(c.gpus)]  # generation time until each worker's job dies
-    resume: dict[int, float] = {}  # worker -> work left of the shard its retry takes back
-    billed, ends, starts, failures = 0.0, [], c.gpus, 0
-    while free:
-        t, w = heapq.heappop(free)
-        if w in resume:
-            rest = resume.pop(w)
-        else:
-            shard = next(left, None)
-            if shard is None:
+    # the piece each worker holds: [id, next row at t0, stop, seconds per row, t0 (generation start)]
+    held: list[list[Any] | None] = [None] * c.gpus
+    resumed: set[int] = set()  # workers whose retry takes their piece back
+    declined: dict[str, float] = {}  # piece -> when its holder gave nothing
+    asked_at: dict[str, float] = {}  # piece -> its rows done when its holder was first asked
+    billed, ends, starts, failures, asked, made = 0.0, [], c.gpus, 0, 0, 0
+
+    def run(w: int, t: float) -> None:  # worker w generates its piece from t
+        piece = held[w]
+        piece[4] = t
+        rest = (piece[2] - piece[1]) * piece[3]
+        version[w] += 1
+        heapq.heappush(events, (t + min(rest, budget[w]), w, version[w]))
+
+    def rows_done(piece: list[Any], t: float) -> float:
+        return min(piece[1] + (t - piece[4]) / piece[3], piece[2])
+
+    def held_rows(piece: list[Any], done: float) -> float:  # read and not finished
+        ahead = c.read_ahead_rows
+        if piece[0] in asked_at:
+            ahead = max(0.0, ahead - (done - asked_at[piece[0]]))
+        return c.held_rows + ahead
+
+    while events:
+        t, w, v = heapq.heappop(events)
+        if v != version[w]:
+            continue  # its piece was cut since: a later event stands
+        piece = held[w]
+        if piece is not None and w not in resumed:  # its piece ends now, or its job dies
+            spent = t - piece[4]
+            if (piece[2] - piece[1]) * piece[3] <= budget[w] + 1e-9:
+                budget[w] -= spent
+                held[w] = None
+            else:
+                failures += 1
+                kept = spent // c.checkpoint_s * c.checkpoint_s  # generation saved in checkpoints
+                piece[1] += kept / piece[3]
                 billed += t - job_start[w]
-                ends.append(t)
+                job_start[w] = t + c.queue_s
+                budget[w] = until_failure()
+                starts += 1
+                resumed.add(w)
+                version[w] += 1
+                heapq.heappush(events, (job_start[w] + c.engine_start_s, w, version[w]))
                 continue
-            rest = work[shard]
-        t += c.shard_overhead_s
-        if budget[w] >= rest:
-            budget[w] -= rest
-            heapq.heappush(free, (t + rest, w))
+        if w in resumed:
+            resumed.discard(w)
+            run(w, t + c.shard_overhead_s)
             continue
-        failures += 1
-        died = t + budget[w]
-        resume[w] = rest - budget[w] // c.checkpoint_s * c.checkpoint_s
-        billed += died - job_start[w]
-        job_start[w] = died + c.queue_s
-        budget[w] = until_failure()
-        starts += 1
-        heapq.heappush(free, (job_start[w] + c.engine_start_s, w))
+        shard = next(left, None)
+        if shard is not None:
+            n = rows[shard] if rows else c.rows_per_shard
+            held[w] = [shard, 0.0, float(n), work[shard] / n, 0.0]
+            run(w, t + c.shard_overhead_s)
+            continue
+        if pieces:
+            _, pid, a, b, d = heapq.heappop(pieces)
+            held[w] = [pid, float(a), float(b), d, 0.0]
+            run(w, t + c.shard_overhead_s)
+            continue
+        if split:
+            running = [
+                splits.Running(p[0], int(p[2] - rows_done(p, t)), (p[2] - rows_done(p, t)) * p[3])
+                for h, p in enumerate(held)
+                if p is not None and h not in resumed
+            ]
+            askable = [r for r in running if t - declined.get(r.piece, -np.inf) >= c.split_seconds]
+            chosen = splits.victim(askable, c.split_seconds)
+            if chosen is not None:
+                asked += 1
+                h = next(h for h, p in enumerate(held) if p is not None and p[0] == chosen.piece)
+                p, answer = held[h], t + splits.POLL_S
+                done = rows_done(p, answer)
+                floor = int(min(done + held_rows(p, done), p[2]))  # rows read: done, and those held
+                asked_at.setdefault(p[0], done)
+                cut = splits.cut_point(floor, int(p[2]), int(floor - done))
+                if cut is None:
+                    declined[p[0]] = t
+                else:
+                    made += 1
+                    heapq.heappush(pieces, (-(p[2] - cut), f"{p[0]}-{cut}", cut, int(p[2]), p[3]))
+                    budget[h] -= answer - p[4]
+                    p[1], p[2] = done, float(cut)  # the holder goes on to the cut
+                    run(h, answer)
+                version[w] += 1
+                heapq.heappush(events, (answer, w, version[w]))  # look again once answered
+                continue
+        billed += t - job_start[w]
+        ends.append(t)
     billed += sum(min(c.end_watch_s, max(ends) - t) for t in ends)  # until the last claim is gone
     out = _summary(c, "workers", starts, max(ends), billed, sum(work.values()))
-    return out | {"failures": failures}
+    return out | {"failures": failures, "splits_asked": asked, "splits_made": made}
 
 
-ORDERS = {  # name: (tail cut by the plan, order the workers take shards in)
-    "plan order": (False, lambda m: [s.id for s in m.shards]),
-    "longest first": (False, plan.work_order),
-    "longest first + tail": (True, plan.work_order),
+# The rows a holder has read ahead to sort them (feed.ShardFeed.run), beside its requests in flight
+# (Cluster.held_rows): neither can a split give away (splits.cut_point).
+READ_AHEAD = {"input": 0, "prefix": 2048}
+ORDERS = {  # name: (tail cut by the plan, order the workers take shards in, idle workers split: prompt.order)
+    "plan order": (False, lambda m: [s.id for s in m.shards], None),
+    "longest first": (False, plan.work_order, None),
+    "longest first + tail": (True, plan.work_order, None),
+    "longest first + tail + split, order input": (True, plan.work_order, "input"),
+    "longest first + tail + split, order prefix": (True, plan.work_order, "prefix"),
 }
 
 
@@ -783,9 +867,11 @@ def simulate_end(c: Cluster, estimate: str) -> dict[str, Any]:
     total = float(density.sum()) * c.rows_per_shard
     bound = total / c.gpus + c.engine_start_s
     runs = []
-    for name, (tail, order) in ORDERS.items():
+    for name, (tail, order, split) in ORDERS.items():
         manifest, works = sim_plan(c, density, tail, estimate)
-        r = simulate_workers(c, order(manifest), {s.id: w for s, w in zip(manifest.shards, works, strict=True)})
+        held = replace(c, read_ahead_rows=READ_AHEAD[split]) if split else c
+        r = simulate_workers(held, order(manifest), {s.id: w for s, w in zip(manifest.shards, works, strict=True)},
+                             split is not None, {s.id: s.rows for s in manifest.shards})  # fmt: skip
         runs.append({"order": name, "shards": len(works)} | r | {"vs_bound": round(r["makespan_h"] * 3600 / bound, 3)})
     largest = float(raw.max() / raw.mean() * c.shard_seconds)
     return {
@@ -812,7 +898,8 @@ def step_simulate(work_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     runs = [simulate(c, mode, work) for mode in ("per_shard", "per_job")]
     # elastic workers on the same work, with the package's own policy: in plan order, and with the tail
     workers = simulate_end(c, "rows")["runs"]
-    runs += [workers[0] | {"mode": "workers"}, workers[2] | {"mode": "workers + tail"}]
+    runs += [workers[0] | {"mode": "workers"}, workers[2] | {"mode": "workers + tail"},
+             workers[3] | {"mode": "workers + tail + split"}]  # fmt: skip
     base = runs[0]
     for r in runs:
         r["makespan_vs_per_shard"] = round(r["makespan_h"] / base["makespan_h"], 2)
@@ -931,20 +1018,35 @@ def slurm_workflow(d: Path, args: argparse.Namespace, *options: str) -> list[str
 # ---------------------------------------------------------------------------
 # The end of a real run: deliberately uneven shards, plan order against the package's policy
 
-UNEVEN = {  # the data: every shard rows_per_shard rows; the last `heavy` shards' rows ask 10x the tokens
-    "shards": 16,
-    "rows_per_shard": 4,
-    "heavy": 3,
-    "light_tokens": 24,
+UNEVEN = {  # the data: every shard rows_per_shard rows; the first `heavy` shards' rows ask 60x the tokens
+    "shards": 8,
+    "rows_per_shard": 8,
+    "heavy": 1,
+    "light_tokens": 4,
     "heavy_tokens": 240,
     "workers": 2,
 }
 UNEVEN_ORDERS = {  # name: the shards section's additions
     # balance: rows, shards of equal rows and no estimate: plan.work_order gives plan order (ties)
-    "plan order": {},
-    # the package's policy: longest first (a no-op without an estimate) and the plan's guided tail
-    "longest first + tail": {"tail": "guided"},
+    "plan order": {"split_seconds": 0},
+    # the plan's policy: longest first (a no-op without an estimate) and the plan's guided tail
+    "longest first + tail": {"tail": "guided", "split_seconds": 0},
+    # an idle worker splits the running shard with the most time left (the default, 60 s; here 5 s)
+    "plan order + split": {"split_seconds": 5},
 }
+
+
+# Imported by every Python process of the uneven runs (PYTHONPATH): a Slurm job keeps to the core of
+# its fake GPU (Slurm sets CUDA_VISIBLE_DEVICES to 0 or 1 on the debug node), and vLLM's CPU build binds
+# its threads to the cores it is allowed (vllm/utils/cpu_resource_utils.py, get_allowed_cpu_list). Each
+# worker is then one device, as a GPU is: one left alone at the end does not get faster, and the time
+# the others stand idle is lost, as it is on GPUs.
+PIN_TO_GPU_CORE = """\
+import os
+_gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+if os.environ.get("SLURM_JOB_ID") and _gpus.isdigit():
+    os.sched_setaffinity(0, {int(_gpus) % os.cpu_count()})
+"""
 
 
 def uneven_run(d: Path, shards_cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -958,7 +1060,8 @@ def uneven_run(d: Path, shards_cfg: dict[str, Any], args: argparse.Namespace) ->
     config = {
         "input": {"parquet": [str(d / "in.parquet")], "id_column": "id", "sampling_column": "sampling"},
         "shards": {"rows_per_shard": u["rows_per_shard"], "workers": u["workers"], **shards_cfg},
-        "prompt": {"system": "Answer at length.", "template": "Write about {{ topic }}."},
+        # input order: a split can give away every row not in flight (prefix reads 1,024 ahead to sort)
+        "prompt": {"system": "Answer at length.", "template": "Write about {{ topic }}.", "order": "input"},
         "model": {
             "model": str(ROOT / "models" / "SmolLM2-135M-Instruct"),
             "dtype": "float32",
@@ -969,20 +1072,25 @@ def uneven_run(d: Path, shards_cfg: dict[str, Any], args: argparse.Namespace) ->
             "max_num_seqs": 1,
         },
         "sampling": {"temperature": 0.0, "max_tokens": u["light_tokens"], "ignore_eos": True},
-        # one CPU each: the node's two run both workers at once (as tests/integration/test_workers.py)
+        # one CPU each: the node's two run both workers at once, each on its own core (PIN_TO_GPU_CORE)
         "resources": {"mem_mb": 6000, "cpus_per_task": 1, "runtime": 30},
     }
     (d / "config.yaml").write_text(yaml.safe_dump(config))
     cmd = slurm_workflow(d, args, "--retries", "0")
+    (d / "pin").mkdir()
+    (d / "pin" / "sitecustomize.py").write_text(PIN_TO_GPU_CORE)
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(d / "pin"), env.get("PYTHONPATH")]))
     t = time.monotonic()
     with (d / "snakemake.log").open("w") as f:
-        rc = subprocess.call(cmd, cwd=d, env=child_env(), stdout=f, stderr=subprocess.STDOUT, timeout=1800)
+        rc = subprocess.call(cmd, cwd=d, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1800)
     wall = time.monotonic() - t
     if rc != 0:
         raise RuntimeError(f"the uneven run in {d} failed ({rc}); see {d / 'snakemake.log'}")
     run_dir = RunDir(d / "results")
     manifest = Manifest.load(run_dir.manifest)
-    commits = {s.id: run_dir.shard_stats(s.id).stat().st_mtime for s in manifest.shards}
+    pieces = {p.id: p for p in splits.Splits(run_dir.splits).all_pieces(manifest)}  # the shards, or their pieces
+    commits = {p: run_dir.shard_stats(p).stat().st_mtime for p in pieces}
     jobs = [j for j in slurm_jobs(d) if "generate" in j.get("Comment", "") and j.get("EndTime", "Unknown") != "Unknown"]
     first_start = min(datetime.fromisoformat(j["StartTime"]).timestamp() for j in jobs)
     last_commit = max(commits.values())
@@ -995,7 +1103,7 @@ def uneven_run(d: Path, shards_cfg: dict[str, Any], args: argparse.Namespace) ->
             {
                 "worker": w,
                 "shards": len(done),
-                "rows": sum(manifest.shard(s).rows for s in done),
+                "rows": sum(pieces[s].rows for s in done),
                 "taken_over": len(record["taken_over"]),
                 "last_commit_s": round(own_last - first_start, 1),
                 # from this worker's last commit to the run's: idle (or released) while another finishes
@@ -1007,10 +1115,11 @@ def uneven_run(d: Path, shards_cfg: dict[str, Any], args: argparse.Namespace) ->
     exactly_once = sorted(ids) == sorted(want) and len(set(ids)) == len(ids)
     if not exactly_once:
         raise RuntimeError(f"the uneven run in {d}: the merged output does not hold every row exactly once")
-    stats = [json.loads(run_dir.shard_stats(s.id).read_text()) for s in manifest.shards]
+    stats = [json.loads(run_dir.shard_stats(p).read_text()) for p in pieces]
     return {
         "shards": len(manifest.shards),
         "shard_rows": [s.rows for s in manifest.shards],
+        "pieces": len(pieces) - len(manifest.shards),  # made by splits
         "generate_jobs": len(jobs),
         "rows_out": len(ids),
         "exactly_once": exactly_once,
@@ -1039,12 +1148,12 @@ def step_uneven(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         return {"skipped": f"Slurm is not available ({why})"}
     u = UNEVEN
     n = u["shards"] * u["rows_per_shard"]
-    heavy_from = (u["shards"] - u["heavy"]) * u["rows_per_shard"]
+    heavy_rows = u["heavy"] * u["rows_per_shard"]
     rows = [
         {
             "id": f"r{i:03d}",
             "topic": TOPICS[i % len(TOPICS)],
-            "sampling": json.dumps({"max_tokens": u["heavy_tokens"] if i >= heavy_from else u["light_tokens"]}),
+            "sampling": json.dumps({"max_tokens": u["heavy_tokens"] if i < heavy_rows else u["light_tokens"]}),
         }
         for i in range(n)
     ]
@@ -1064,9 +1173,10 @@ def step_uneven(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "what": (
             f"real runs (vLLM CPU build, SmolLM2-135M float32, max_num_seqs 1, local Slurm): {n} rows in "
-            f"{u['shards']} shards of {u['rows_per_shard']} rows (shards.balance: rows), the last {u['heavy']} "
+            f"{u['shards']} shards of {u['rows_per_shard']} rows (shards.balance: rows), the first {u['heavy']} "
             f"shards' rows asking {u['heavy_tokens']} output tokens and the others {u['light_tokens']} "
-            f"(ignore_eos; per row through input.sampling_column), {u['workers']} elastic workers of one CPU each"
+            f"(ignore_eos; per row through input.sampling_column), {u['workers']} elastic workers, each kept to "
+            "the one core of its Slurm GPU (PIN_TO_GPU_CORE: a worker is one device, as a GPU is)"
         ),
         "data": dict(u),
         "runs": runs,
@@ -1182,22 +1292,31 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{c['queue_s']:.0f} s, starts an engine and resumes from the last checkpoint, every "
                 f"{c['checkpoint_s']:.0f} s). Bound: work ÷ GPUs + one engine start. Estimate `rows`: the "
                 "plan knows nothing of the spread (all shards look alike: output lengths, or `balance: rows` "
-                "on uniform prompts); `work`: the plan's `estimated_tokens` is each shard's true work.\n\n"
+                "on uniform prompts); `work`: the plan's `estimated_tokens` is each shard's true work. `split`: "
+                f"a worker with no shard left asks for a split (`shards.split_seconds` "
+                f"{c['split_seconds']:.0f}; `splits.victim`, `splits.cut_point`: the holder keeps the rows it "
+                f"read, {c['held_rows']:,} in flight, and with `prompt.order: prefix` {READ_AHEAD['prefix']:,} "
+                f"read ahead to sort, read no more once asked; half of the rest go), answered within "
+                f"{splits.POLL_S:g} s; shards of {c['rows_per_shard']:,} rows, the work even over a shard's rows; "
+                "pieces: the pieces splits made and ran.\n\n"
                 "| shards | GPUs | sigma | estimate | bound (h) | largest shard ÷ bound | order | shards run "
-                "| makespan (h) | ÷ bound | efficiency | failures |\n"
-                "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+                "| pieces | makespan (h) | ÷ bound | efficiency | failures |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
             )
             for case in end:
                 for r in case["runs"]:
                     text += (
                         f"| {case['shards']:,} | {case['gpus']} | {case['sigma']} | {case['estimate']} "
                         f"| {case['bound_h']} | {case['largest_shard_vs_bound']} | {r['order']} | {r['shards']:,} "
-                        f"| {r['makespan_h']} | {r['vs_bound']} | {r['efficiency']:.1%} | {r['failures']} |\n"
+                        f"| {r['splits_made']} | {r['makespan_h']} | {r['vs_bound']} | {r['efficiency']:.1%} "
+                        f"| {r['failures']} |\n"
                     )
             text += (
                 "\nNo order of the plan's shards can end before its largest shard does (largest shard ÷ bound): "
                 "where that is above the target, only a plan that knows the shard is large (the estimate) "
-                "cuts it.\n"
+                "cuts it, or a split of the running shard, which needs no estimate. A split gives away only "
+                "rows the holder has not read: `prompt.order: prefix` reads 2,048 rows ahead to sort them, "
+                "so its splits come later and give less.\n"
             )
     if (modes := result.get("modes")) and "runs" in modes:
         text += (
@@ -1219,9 +1338,9 @@ def markdown(result: dict[str, Any]) -> str:
             "checked.\n\n"
             "Bound: the run's own generation and engine start time ÷ workers (as the simulation's; measured "
             "per run, since throughput on this shared machine varies from run to run).\n\n"
-            "| sample | order | shards | rows of each | generated tokens | generation (s) | bound (s) "
-            "| makespan (s) | ÷ bound | vs plan order | worker shards (rows) | idle tail per worker (s) |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+            "| sample | order | shards | rows of each | pieces split off | generated tokens | generation (s) "
+            "| bound (s) | makespan (s) | ÷ bound | vs plan order | worker shards (rows) | idle tail per worker (s) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
         )
         for r in uneven["runs"]:
             rows_each = " ".join(map(str, r["shard_rows"]))
@@ -1229,17 +1348,15 @@ def markdown(result: dict[str, Any]) -> str:
             tails = ", ".join(f"{w['idle_tail_s']}" for w in r["workers"])
             bound = uneven_bound(r, len(r["workers"]))
             text += (
-                f"| {r.get('sample', 1)} | {r['order']} | {r['shards']} | {rows_each} | {r['generated_tokens']:,} "
+                f"| {r.get('sample', 1)} | {r['order']} | {r['shards']} | {rows_each} | {r.get('pieces', 0)} "
+                f"| {r['generated_tokens']:,} "
                 f"| {r['generation_seconds']} | {bound:.1f} | {r['makespan_s']} | {r['makespan_s'] / bound:.3f} "
                 f"| ×{r['makespan_vs_plan_order']} | {per} | {tails} |\n"
             )
         for r in uneven["runs"]:
             if r.get("note"):
                 text += f"\nSample {r.get('sample', 1)}, {r['order']}: {r['note']}."
-        text += (
-            "\nThe two workers share the node's 2 cores: a worker left alone at the end generates faster than "
-            "beside the other, so an idle tail costs less here than on GPUs that share nothing.\n"
-        )
+        text += "\n"
     load = result.get("load_average", {}).get("start", ["?"])[0]
     head = (
         f"Scale benchmark (`bench/scale.py --size {result['size']}`), {result['machine']}, {result['date']}; "

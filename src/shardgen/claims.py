@@ -56,7 +56,7 @@ from shardgen.io import Dir
 
 log = logging.getLogger(__name__)
 
-CLAIM_NAME = re.compile(r"([0-9]+)\.([0-9]+)\.claim")
+CLAIM_NAME = re.compile(r"([0-9]+(?:-[0-9]+)?)\.([0-9]+)\.claim")  # a shard's, or a piece's (splits)
 FAILED = ".failed"
 # Heartbeats per lease: a claim is taken over only after this many renewals were missed in a row.
 BEATS_PER_LEASE = 5
@@ -296,22 +296,31 @@ class ClaimBoard:
             return None
         return Claim(self, shard, generation, took_over)
 
-    def next(self, shard_ids: Iterable[str], is_done: Callable[[str], bool]) -> Claim | None:
+    def next(
+        self,
+        shard_ids: Iterable[str] | Callable[[], Iterable[str]],
+        is_done: Callable[[str], bool],
+        steal: Callable[[list[str]], bool] | None = None,
+    ) -> Claim | None:
         """The next shard for this worker, claimed; None when nothing is left for it.
 
         In this order: the claims this worker index held before (a retried
         worker carries on with them, failed or not); shards nobody claimed, in
-        the order of ``shard_ids`` (workers pass ``plan.work_order``: largest
-        first); claims whose heartbeat is older than the lease (not marked
+        the order of ``shard_ids`` (workers pass ``plan.work_order``, largest
+        first, then the pieces splits made: a function, asked on every look);
+        claims whose heartbeat is older than the lease (not marked
         failed), oldest first. When only other workers' claims are left, it
         watches them for one and a half heartbeats: a claim that was not
         renewed meanwhile belongs to a worker that stopped, and this worker
         waits out its lease and takes it over, rather than leave the shard to
         a retry that may queue for hours; when every claim was renewed, it ends.
+        Before watching, it asks ``steal`` (with the shards the others hold) for
+        a split of one of them (``splits.Thief``): a split, or a holder's answer
+        that it has none to give, and it looks again.
         """
-        shard_ids = list(shard_ids)
         watched: dict[str, float] = {}  # claim -> its heartbeat when first watched
         while True:
+            ids = list(shard_ids() if callable(shard_ids) else shard_ids)
             seen = self.scan()
             now = self.now()
             others: list[tuple[Seen, dict[str, Any] | None]] = []
@@ -325,7 +334,7 @@ class ClaimBoard:
                         return claim
                 elif mine or not s.failed:  # mine: this worker's earlier attempt, still saving its rows
                     others.append((s, record))
-            for shard in shard_ids:
+            for shard in ids:
                 if shard not in seen and not is_done(shard):
                     claim = self.claim(shard)
                     if claim is not None:
@@ -353,6 +362,8 @@ class ClaimBoard:
                 log.info("%d claim(s) not renewed; looking again in %.0f s (lease %g s)", len(waits), wait,
                          self.lease_s)  # fmt: skip
                 self._sleep(wait)
+            elif steal is not None and steal([s.shard for s, _ in others]):
+                continue  # a holder answered (a split, or not): look again
             elif unknown:
                 watched.update((s.name, s.mtime) for s in unknown)
                 self._sleep(1.5 * self.heartbeat_s)

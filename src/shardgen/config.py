@@ -54,6 +54,8 @@ RUNTIME_MODEL_KEYS = frozenset(
         "max_loras",
     }
 )
+# Keys of `shards` that decide how workers share the shards, not the shards.
+RUNTIME_SHARDS_KEYS = frozenset({"split_seconds"})
 # Keys added after runs were made with this version's fingerprints: left out of them while at their
 # defaults, so that those runs' shards stay valid (the text they decide is the same).
 LATER_DEFAULTS = {
@@ -148,16 +150,16 @@ def check_consistency(config: dict[str, Any]) -> None:
         return
     model, sampling, prompt = config["model"], config.get("sampling", {}), config["prompt"]
     output = config["output"]
-    task_kind(config).check_config(config)
     if config["input"].get("openai_batch"):
         batch_input(config)
+    task_kind(config).check_config(config)
     if config["input"].get("sampling_column") and not task_kind(config).generates:
         raise ConfigError(f"input.sampling_column sets sampling per row: for task generate, not {config['task']}")
     if output.get("format") == "openai_batch":
         from shardgen.openai_batch import URLS
 
         if config["task"] not in URLS:
-            raise ConfigError(f"output.format openai_batch is for task {' and '.join(URLS)}, not {config['task']}")
+            raise ConfigError(f"output.format openai_batch is for task {', '.join(URLS)}, not {config['task']}")
         if output.get("push_to_hub"):
             raise ConfigError(
                 "output.push_to_hub needs a dataset: output.format parquet, jsonl or hf, not openai_batch"
@@ -311,18 +313,21 @@ def batch_input(config: dict[str, Any]) -> None:
     Raises:
         ConfigError: naming the key.
     """
-    from shardgen.openai_batch import CHAT, URLS, expected_url
+    from shardgen.openai_batch import CHAT, URLS
 
     task, prompt, inputs = config["task"], config["prompt"], config["input"]
     if task not in URLS:
-        raise ConfigError(f"input.openai_batch is for task {' and '.join(URLS)}, not {task}")
-    for key, own in (("template", "{{ input }}"), ("messages_column", "messages")):
+        raise ConfigError(f"input.openai_batch is for task {', '.join(URLS)}, not {task}")
+    own_prompt = (("template", "{{ input }}"), ("messages_column", "messages"), ("pair_template", "{{ pair }}"))
+    for key, own in own_prompt:
         if prompt.get(key) not in (None, own):
             raise ConfigError(f"prompt.{key}: the requests of input.openai_batch are the prompts; leave it unset")
-    if expected_url(task, prompt.get("chat", True)) == CHAT:
+    if URLS[task] == CHAT and prompt.get("chat", True):
         prompt["messages_column"] = "messages"
-    else:
-        prompt.update(template="{{ input }}", chat=False)  # an embedding's input, a completion's prompt
+    else:  # an embedding's input, a completion's prompt, the first text of a pair to score
+        prompt.update(template="{{ input }}", chat=False)
+    if task_kind(config).pairs:
+        prompt["pair_template"] = "{{ pair }}"  # the second text (openai_batch.request_rows)
     sampling = "body" if task_kind(config).generates else None
     for key, own in (("id_column", "custom_id"), ("sampling_column", sampling)):
         if inputs.get(key) not in (None, own):
@@ -447,7 +452,11 @@ def without_later_defaults(section: str, values: Mapping[str, Any]) -> dict[str,
 
 def plan_digest(config: Mapping[str, Any], signature: list[list[Any]]) -> str:
     """What decides the plan: the input (its config and its files' ``signature``) and the sharding."""
-    return digest([without_later_defaults("input", config["input"]), config["shards"], signature])
+    shards = {k: v for k, v in config["shards"].items() if k not in RUNTIME_SHARDS_KEYS}
+    parts = [without_later_defaults("input", config["input"]), shards, signature]
+    if config["input"].get("openai_batch") and task_kind(config).pairs:  # a row per pair, not per line
+        parts.append({"rows": "pairs"})
+    return digest(parts)
 
 
 def content_config(config: dict[str, Any], engine: str | None = None) -> dict[str, Any]:
@@ -510,6 +519,7 @@ class ShardsConfig:
     per_job: int = 1
     workers: int | None = None
     lease_seconds: float = 300
+    split_seconds: float = 60
     balance: str = "rows"
     tail: str | None = None
 

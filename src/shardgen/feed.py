@@ -28,6 +28,7 @@ import array
 import contextlib
 import heapq
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -37,8 +38,11 @@ from typing import TYPE_CHECKING, Any
 from shardgen.errors import RowError, ShardgenError, error_reason
 from shardgen.images import row_images
 from shardgen.progress import progress_bar
+from shardgen.splits import cut_point
 from shardgen.stats import AttemptCounters
 from shardgen.steps import DROPPED
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from shardgen.config import CheckpointConfig
@@ -47,6 +51,7 @@ if TYPE_CHECKING:
     from shardgen.outputs import ShardCheckpoint
     from shardgen.prompts import PromptRenderer
     from shardgen.records import Progress
+    from shardgen.splits import Splitter
     from shardgen.tasks import Task
 
 # Rows rendered and tokenized in one go: large enough that the batch calls pay off, small enough
@@ -117,11 +122,11 @@ class Request:
 @dataclass
 class RowInputs:
     """What a row's request carries beside its tokens: its LoRA adapter and its images; and, for an
-    OpenAI batch input, the url the run serves (``openai_batch.expected_url``)."""
+    OpenAI batch input, the urls the run serves (``openai_batch.served_urls``)."""
 
     adapters: Adapters | None = None
     image_columns: tuple[str, ...] = ()
-    url: str | None = None
+    urls: tuple[str, ...] = ()
     step: bool = False  # the input is a step's (steps.StepSource): a row it did not pass on is dropped
 
     def check(self, row: dict[str, Any]) -> None:
@@ -133,12 +138,12 @@ class RowInputs:
         """
         if self.step and row.get(DROPPED) is not None:
             raise RowError(DROPPED, row[DROPPED])
-        if self.url is None:
+        if not self.urls:
             return
         if row.get("request_error"):
             raise RowError("invalid_request", row["request_error"])
-        if row.get("url") != self.url:
-            raise RowError("invalid_request", f"url: {row.get('url')!r}, but this run serves {self.url}")
+        if row.get("url") not in self.urls:
+            raise RowError("invalid_request", f"url: {row.get('url')!r}, but this run serves {', '.join(self.urls)}")
 
     def lora(self, row: dict[str, Any]) -> Any:
         """The row's ``LoRARequest`` (None: the base model).
@@ -157,6 +162,8 @@ def prepared_requests(
     on_error: Callable[[int, dict[str, Any], RowError], None],
     order_window: int = 0,
     inputs: RowInputs | None = None,
+    batch_rows: int = PREPARE_BATCH,
+    read_ahead: Callable[[], bool] = lambda: True,
 ) -> Iterator[Request]:
     """The rows as requests, prepared ``PREPARE_BATCH`` at a time as they are pulled.
 
@@ -166,7 +173,7 @@ def prepared_requests(
     prompt tokens first (prefix order).
     """
     inputs = inputs or RowInputs()
-    batches = (_prepare(batch, renderer, tokenizer, task, on_error, inputs) for batch in _chunks(rows, PREPARE_BATCH))
+    batches = (_prepare(batch, renderer, tokenizer, task, on_error, inputs) for batch in _chunks(rows, batch_rows))
     if order_window <= 0:
         for batch in batches:
             yield from batch
@@ -175,7 +182,9 @@ def prepared_requests(
     seq = itertools.count()
     exhausted = False
     while True:
-        while not exhausted and len(heap) < order_window:
+        # once ``read_ahead()`` is false (an idle worker asked for a split), no row is read to be sorted
+        # until the window has drained: the rows not read yet are the ones a split can give
+        while not exhausted and len(heap) < (order_window if read_ahead() else 1):
             batch = next(batches, None)
             if batch is None:
                 exhausted = True
@@ -396,6 +405,27 @@ def _completion(req: Request, out: Any, now: float) -> Completion:
 # -- One shard --------------------------------------------------------------------------------------
 
 
+class RowStream:
+    """``(index, row)`` of a shard's rows still to do, in input order, up to ``stop``, which a split
+    lowers: ``floor`` is the first row a cut may start at (every row below it was pulled, or saved by
+    an earlier attempt), ``pulled`` the rows handed out."""
+
+    def __init__(self, rows: Iterable[tuple[int, dict[str, Any]]], stop: int, floor: int) -> None:
+        self._rows = iter(rows)
+        self.stop, self.floor, self.pulled = stop, floor, 0
+
+    def __iter__(self) -> RowStream:
+        return self
+
+    def __next__(self) -> tuple[int, dict[str, Any]]:
+        index, row = next(self._rows)
+        if index >= self.stop:  # the thief's now
+            raise StopIteration
+        self.floor = max(self.floor, index + 1)
+        self.pulled += 1
+        return index, row
+
+
 @dataclass
 class ShardWork:
     """What a shard's feed reads from and writes to (``generate.ShardJob.work`` makes it)."""
@@ -403,13 +433,16 @@ class ShardWork:
     shard_id: str
     rows: int  # the shard's input rows
     resumed: int  # of which are done already, in checkpoints of earlier attempts
-    remaining: Iterable[tuple[int, dict[str, Any]]]  # (index, row) of the others, in input order
+    remaining: RowStream  # (index, row) of the others, in input order
     renderer: PromptRenderer
     ckpt: ShardCheckpoint  # where finished rows and progress go
     every: CheckpointConfig  # how often finished rows are saved
     order: str  # prompt.order
     budget: ErrorBudget
     progress: Callable[[int, int, dict[str, int]], Progress]  # (done, saved, error reasons) -> progress.json
+    # an elastic worker's piece (splits.Splitter): an idle worker may ask for the rows it has not read
+    split: Splitter | None = None
+    narrow: Callable[[int], None] = lambda stop: None  # the shard now ends at ``stop`` (a split's cut)
 
 
 class ShardFeed:
@@ -465,13 +498,14 @@ class ShardFeed:
         """
         work = self.work
         order_window = max(4 * self.feeder.window, 1024) if self.order == "prefix" else 0
-        requests = prepared_requests(
-            work.remaining, work.renderer, self.tokenizer, self.task, self._row_error, order_window, self.inputs
-        )
+        self._read_ahead = True
+        batch_rows = min(PREPARE_BATCH, self.feeder.window)  # no row read long before the engine takes it (splits)
+        requests = prepared_requests(work.remaining, work.renderer, self.tokenizer, self.task, self._row_error,
+                                     order_window, self.inputs, batch_rows, lambda: self._read_ahead)  # fmt: skip
         every = work.every
         self._report_progress(time.time())
         try:
-            for c in self.feeder.run(requests, should_stop=self.stop):
+            for c in self.feeder.run(requests, should_stop=self._poll):
                 if c.error is not None:
                     self._row_error(c.key, c.row, c.error, c.prompt_tokens)
                 else:
@@ -485,6 +519,21 @@ class ShardFeed:
             self._flush(time.time())
             self._report_progress(time.time())  # what is saved now, for shardgen status
             self._bar.close()
+
+    def _poll(self) -> bool:
+        """Between engine steps: whether to stop; first, an idle worker's request for a split is answered
+        (``splits``), here, in the thread that pulls the rows, so no row past the cut is pulled after."""
+        split, rows = self.work.split, self.work.remaining
+        if split is not None and split.wanted():
+            self._read_ahead = False  # the end of the run: keep unread what the next split may give
+            cut = cut_point(rows.floor, rows.stop, rows.pulled - self.counters.rows)
+            if split.decide(cut):
+                log.info("shard %s: split at row %d for an idle worker (rows from %d were not read yet)",
+                         self.work.shard_id, cut, rows.floor)  # fmt: skip
+                self._bar.total -= rows.stop - cut
+                rows.stop = cut
+                self.work.narrow(cut)
+        return self.stop()
 
     def _completed(self, c: Completion) -> None:
         finished = self.task.finish(c.row, c)

@@ -28,20 +28,20 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen import heads, jobenv, jobinfo, memory, multinode, records
+from shardgen import heads, jobenv, jobinfo, memory, multinode, records, splits
 from shardgen.config import RunConfig, content_config, digest, warnings
 from shardgen.engine import Engine, EngineSettings, engine_kwargs
 from shardgen.errors import ShardgenError
-from shardgen.feed import ErrorBudget, RowInputs, ShardFeed, ShardWork
+from shardgen.feed import ErrorBudget, RowInputs, RowStream, ShardFeed, ShardWork
 from shardgen.installed import vllm_version
 from shardgen.io import Dir, atomic_write_text
 from shardgen.lora import Adapters
 from shardgen.multinode import WorkersLost
-from shardgen.openai_batch import expected_url
+from shardgen.openai_batch import served_urls
 from shardgen.outputs import ShardCheckpoint
 from shardgen.plan import Manifest, Shard, check_columns, work_order
 from shardgen.prompts import PromptRenderer
@@ -121,6 +121,7 @@ class ShardJob:
     budget: ErrorBudget
     head: heads.Head | None = None  # a pooling model's (heads.Head): its labels, its embedding size
     removed_env: dict[str, str] = field(default_factory=dict)
+    splitter: splits.Splitter | None = None  # an elastic worker's: an idle worker may split the shard
     started: float = field(default_factory=time.time)
 
     @classmethod
@@ -146,9 +147,11 @@ class ShardJob:
         if model_record is None:
             model_record = fetch.resolve_model(config.model, allow_download=False, adapters=config.lora.adapters)
         manifest = Manifest.load(manifest_path)
-        shard = manifest.shard(shard_id)
+        run_splits = splits.of_run(config)
+        shard = run_splits.piece(manifest, shard_id) if run_splits else manifest.shard(shard_id)
+        plan_shard = manifest.shard(splits.parent_id(shard_id))  # a piece's fingerprint is its shard's
         source = manifest.source()
-        fingerprint = shard_fingerprint(config, manifest, shard)
+        fingerprint = shard_fingerprint(config, manifest, plan_shard)
         head = heads.read_for(model_record) if config.kind.needs_head else None
         check_columns(config, source.schema, source.describe(), head)  # for the config this job runs
         schema = result_spec(config, head).schema(source.schema, fingerprint, config.fingerprint, shard.id)
@@ -180,8 +183,11 @@ class ShardJob:
         for warning in warnings(config.raw):
             log.warning(warning)
         renderer = PromptRenderer.from_config(config.prompt)
+        splitter = None
+        if run_splits is not None and config.shards.split_seconds > 0 and guard is not None:
+            splitter = splits.Splitter(run_splits, plan_shard, shard, guard)
         return cls(config, shard, source, renderer, ckpt, done, attempts, attempt, fingerprint, model_record,
-                   budget, head, removed_env)  # fmt: skip
+                   budget, head, removed_env, splitter)  # fmt: skip
 
     @property
     def remaining(self) -> int:
@@ -201,9 +207,16 @@ class ShardJob:
 
     def work(self) -> ShardWork:
         """What the feed reads from and writes to."""
-        return ShardWork(self.shard.id, self.shard.rows, len(self.done), self.remaining_rows(), self.renderer,
-                         self.ckpt, self.config.checkpoint, self.config.prompt.order, self.budget,
-                         self.progress)  # fmt: skip
+        floor = max(self.done, default=self.shard.start - 1) + 1  # a cut leaves every saved row to this shard
+        rows = RowStream(self.remaining_rows(), self.shard.stop, floor)
+        return ShardWork(self.shard.id, self.shard.rows, len(self.done), rows, self.renderer, self.ckpt,
+                         self.config.checkpoint, self.config.prompt.order, self.budget, self.progress,
+                         self.splitter, self.narrow)  # fmt: skip
+
+    def narrow(self, stop: int) -> None:
+        """The shard now ends at ``stop``: the holder split it there (``splits.Splitter.decide``)."""
+        self.shard = splits.clip(self.shard, self.shard.start, stop)
+        self.ckpt.narrow(stop)
 
     def remaining_rows(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """``(index, row)`` of each row not done yet, in input order, streamed from the input."""
@@ -228,6 +241,14 @@ class ShardJob:
     def commit(self, output: str | Path, stats_path: str | Path, run: AttemptRun) -> dict[str, Any]:
         """Write the shard file from its parts, then its stats, then remove the parts (``ShardCheckpoint.
         commit``: a failure in between leaves the parts for the retry); return the stats."""
+        if self.splitter is not None and (stop := self.splitter.stop_now()) != self.shard.stop:
+            from shardgen.claims import ClaimLost
+
+            # a cut this attempt did not make: the holder before it, which lost its claim to this worker
+            # after deciding it. Left unreleased: a takeover after the lease resumes the piece as it is
+            # now (a part with rows past the cut is set aside, its rows run again), as after any lost claim.
+            raise ClaimLost(f"shard {self.shard.id}: its rows end at {stop} by {self.splitter.splits.path}, "
+                            f"not at {self.shard.stop} as this attempt ran them; not committed")  # fmt: skip
         history = self.ckpt.attempts()
         history[-1] = dataclasses.replace(history[-1], outcome=records.COMMITTED, ended=_now(),
                                           rows_generated=run.counters.rows)  # fmt: skip
@@ -429,8 +450,8 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
     task = make_task(job.config, tokenizer, job.head)
     loras = job.model_record.get("adapters") or {}
     adapters = Adapters(job.config.lora, loras, settings.build) if job.config.lora.adapters else None
-    url = expected_url(job.config.task, job.config.prompt.chat) if job.config.input.openai_batch else None
-    inputs = RowInputs(adapters, job.config.prompt.images, url, step=job.config.input.step is not None)
+    urls = served_urls(job.config)
+    inputs = RowInputs(adapters, job.config.prompt.images, urls, step=job.config.input.step is not None)
     feed = ShardFeed(job.work(), task, tokenizer, llm, stop, counters, window, inputs)
     before = engine.counters()
     t1 = time.time()
@@ -519,16 +540,25 @@ def run_worker(
                               "kept": [], "taken_over": [], "lost": []}  # fmt: skip
     done: set[str] = set()
     order = work_order(manifest)  # largest estimated work first
+    run_splits = splits.of_run(config)
+    thief = None
+    if run_splits is not None and config.shards.split_seconds > 0:
+        thief = splits.Thief(run_splits, run_dir, asdict(holder), config.shards.split_seconds,
+                             sleep=lambda seconds: stop.sleep(seconds, "(asking for a split)"))  # fmt: skip
+
+    def work() -> list[str]:  # the plan's shards, then the pieces splits made
+        return order + run_splits.new_pieces(manifest) if run_splits else order
 
     def is_done(shard_id: str) -> bool:
         files = run_dir.shard_file(shard_id), run_dir.shard_stats(shard_id)
-        if shard_id not in done and committed(config, manifest, manifest.shard(shard_id), *files):
+        shard = run_splits.piece(manifest, shard_id) if run_splits else manifest.shard(shard_id)
+        if shard_id not in done and committed(config, manifest, shard, *files):
             done.add(shard_id)
         return shard_id in done
 
     try:
         with stop:
-            while (claim := board.next(order, is_done)) is not None:
+            while (claim := board.next(work, is_done, thief.steal if thief else None)) is not None:
                 with claim:
                     shard_id = claim.shard
                     if claim.took_over and claim.took_over.get("worker") != worker:
@@ -555,16 +585,26 @@ def run_worker(
                     claim.release()
     finally:
         board.close()
+        if run_splits is not None:
+            run_splits.close()
         if own:
             engine.close()
-    record.update(engine_starts=engine.starts, seconds=time.time() - started)
+    record.update(engine_starts=engine.starts, seconds=time.time() - started, splits_asked=thief.asked if thief else 0)
     return record
 
 
 def committed(config: RunConfig, manifest: Manifest, shard: Shard, path: str | Path, stats: str | Path) -> bool:
     """Whether the shard's file and stats are committed (``rundir.committed_fingerprint``) with this
-    config and input."""
-    return committed_fingerprint(path, stats) == shard_fingerprint(config, manifest, shard)
+    config and input, and hold the shard's rows as they are now: ``shard`` may be a piece of a split
+    shard (``splits``), whose rows a later cut ended sooner than a file committed before it holds."""
+    plan_shard = manifest.shard(splits.parent_id(shard.id))
+    if committed_fingerprint(path, stats) != shard_fingerprint(config, manifest, plan_shard):
+        return False
+    try:
+        recorded = json.loads(Path(stats).read_text())
+    except (OSError, ValueError):
+        return False
+    return splits.holds(recorded, shard)
 
 
 def main_generate(config, manifest, shards, output, stats, model_record=None, record=None, worker=None) -> int:

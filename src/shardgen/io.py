@@ -333,3 +333,22 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None], below: st
 
 def atomic_write_text(path: str | Path, text: str, below: str | Path | None = None) -> None:
     atomic_write(path, lambda f: f.write(text.encode()), below)
+
+
+class LazyDir:
+    """A directory of the run opened (``Dir.open``, created) on first use, and closed by ``close``."""
+
+    def __init__(self, path: str | Path, below: str | Path | None = None) -> None:
+        self.path, self.below = Path(path), below
+        self._dir: Dir | None = None
+
+    @property
+    def dir(self) -> Dir:
+        if self._dir is None:
+            self._dir = Dir.open(self.path, below=self.below)
+        return self._dir
+
+    def close(self) -> None:
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None

@@ -22,12 +22,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from shardgen import __version__, cost, formats, heads, openai_batch
+from shardgen import __version__, cost, formats, heads, openai_batch, splits
 from shardgen.config import RunConfig, published_sampling
 from shardgen.errors import MergeError
 from shardgen.io import Dir, atomic_write_text
 from shardgen.outputs import CONFIG_KEY, SHARD_KEY, count_problems, rows_per_input
-from shardgen.plan import Manifest
+from shardgen.plan import Manifest, Shard
 from shardgen.results import result_spec
 from shardgen.rundir import RunDir
 from shardgen.stats import RunTotals, summary_text
@@ -37,9 +37,10 @@ BATCH_ROWS = 8192
 
 
 def _check_shards(
-    manifest: Manifest, run_dir: RunDir, expected: Callable[[str | None], str]
+    shards: list[Shard], run_dir: RunDir, expected: Callable[[str | None], str]
 ) -> tuple[RunTotals, dict[str, Any], str | None, dict[str, tuple[int, ...]]]:
-    """Check every shard file against the plan and the run's config fingerprint, summing their stats.
+    """Check every shard file against the plan (``shards``: the plan's shards, or the pieces of those an
+    idle worker split, ``splits``) and the run's config fingerprint, summing their stats.
 
     ``expected(version)`` is the run's fingerprint with the vLLM version a shard's stats record it was
     made with: what decides the merge comes from the run, not from the merging process, which may
@@ -60,7 +61,7 @@ def _check_shards(
     identities: dict[str, tuple[int, ...]] = {}
     run = RunTotals()
     first: dict[str, Any] = {}
-    for shard in manifest.shards:
+    for shard in shards:
         path = run_dir.shard_file(shard.id)
         try:
             f = open(path, "rb")  # one open for every check of this file
@@ -169,12 +170,12 @@ def _no_paths(value: Any) -> Any:
 
 
 def _batches(
-    manifest: Manifest, run_dir: RunDir, checked: dict[str, tuple[int, ...]], dropped: list[int] | None = None
+    shards: list[Shard], run_dir: RunDir, checked: dict[str, tuple[int, ...]], dropped: list[int] | None = None
 ) -> Iterator[tuple[pa.Schema, pa.RecordBatch]]:
     """The shards' rows, from the very files ``_check_shards`` checked: a file replaced since (another
     run committing the shard) stops the merge, which then writes nothing. A later step of a run of
     steps (``dropped`` given) leaves out the rows the step before did not pass on, and counts them."""
-    for shard in manifest.shards:
+    for shard in shards:
         path = run_dir.shard_file(shard.id)
         with open(path, "rb") as f:
             if _identity(f) != checked[shard.id]:
@@ -210,8 +211,10 @@ def merge(
     """
     manifest = Manifest.load(manifest_path)
     run_dir = RunDir(config.output.dir)
+    run_splits = splits.of_run(config)
+    shards = run_splits.all_pieces(manifest) if run_splits else manifest.shards
     run, first, config_fp, checked = _check_shards(
-        manifest, run_dir, lambda version: config.fingerprint_with(version) if version else config.fingerprint
+        shards, run_dir, lambda version: config.fingerprint_with(version) if version else config.fingerprint
     )
     prov = provenance(config, first, run, config_fp)
 
@@ -228,7 +231,7 @@ def merge(
             d.remove_leftovers(name)
     dropped = [0] if config.input.step else None
     formats.write(
-        config.output.format, output, _batches(manifest, run_dir, checked, dropped), empty, prov,
+        config.output.format, output, _batches(shards, run_dir, checked, dropped), empty, prov,
         config.input.id_column, openai_batch.logprobs_of(config.sampling, config.input.sampling_column),
     )  # fmt: skip
     stats = run.result()

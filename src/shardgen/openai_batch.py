@@ -13,7 +13,12 @@ a batch of requests gives back, so that code written for a hosted batch API read
   (``task: embed``). A request that asked for log-probabilities (the run's
   ``sampling.logprobs``, or its own ``logprobs``/``top_logprobs``) gets them
   from the ``logprobs`` column: the sampled token of each position, and the
-  ``top_logprobs`` most likely; the others get ``logprobs: null``;
+  ``top_logprobs`` most likely; the others get ``logprobs: null``. A
+  ``task: score`` run gives vLLM's ``ScoreResponse`` (``data``: a score per
+  pair, in the request's order) or, for a ``/rerank`` request, its
+  ``RerankResponse`` (``results``: the documents by relevance, most relevant
+  first, the ``top_n`` first when the request sets it), whose ``usage`` counts
+  every pair's prompt tokens;
 - ``errors.jsonl``: a line per request that did not, in input order, with
   ``status_code`` 400 and an ``error`` body: shardgen's per-row error as the
   ``message``, its reason (the error's first word) as the ``code``;
@@ -23,7 +28,21 @@ A request's ``custom_id`` is its ``input.id_column`` value, else its row
 index. Ids are deterministic (``batch_req_<row>``, ``chatcmpl-<row>``), so a
 rerun writes the same lines. The files' shape is what the ``openai``
 package's types accept (``openai.types.chat.ChatCompletion``,
-``openai.types.CreateEmbeddingResponse``), which the tests check.
+``openai.types.CreateEmbeddingResponse``), and for scores vLLM's own
+(``vllm.entrypoints.pooling.scoring.protocol``: ``ScoreResponse``,
+``RerankResponse``; OpenAI has none), which the tests check.
+
+Requests in (``input.openai_batch``, ``request_rows``): ``/v1/chat/completions``
+and ``/v1/completions`` for ``task: generate``, ``/v1/embeddings`` for ``task:
+embed``, and what vLLM's ``run-batch`` takes for a cross-encoder, ``/score``,
+``/v1/score``, ``/rerank``, ``/v1/rerank`` and ``/v2/rerank``, for ``task:
+score``. A score request pairs its texts as vLLM does (``text_1`` with
+``text_2``, or ``queries`` with ``documents`` or ``items``, or ``data_1`` with
+``data_2``: one with each of N, or the i-th with the i-th), a rerank request
+its ``query`` with each of its ``documents``; each pair is a row of its own
+(the first text ``input``, the second ``pair``, its place ``pair_index``),
+scored by its own engine request as vLLM scores it, and the merge gives the
+request's pairs back as one result line.
 """
 
 from __future__ import annotations
@@ -31,12 +50,19 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardgen.config import RunConfig
 
 OUTPUT, ERRORS, PROVENANCE = "output.jsonl", "errors.jsonl", "provenance.json"
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
-# the tasks OpenAI's batch format serves, and the url of each (generation without chat: COMPLETIONS)
-URLS = {"generate": CHAT, "embed": EMBEDDINGS}
+# vLLM's scoring routes (vllm/entrypoints/pooling/scoring/api_router.py), which its run-batch takes too
+SCORE, RERANK = ("/score", "/v1/score"), ("/rerank", "/v1/rerank", "/v2/rerank")
+# the tasks OpenAI's batch format serves, and the url of each (generation without chat: COMPLETIONS;
+# a score run serves SCORE and RERANK)
+URLS = {"generate": CHAT, "embed": EMBEDDINGS, "score": SCORE[1]}
+ALL_URLS = (CHAT, COMPLETIONS, EMBEDDINGS, *SCORE, *RERANK)
 # the finish reasons a chat completion may have; vLLM's others ("abort") make the row an error line
 FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
 
@@ -47,9 +73,22 @@ def custom_id(row: dict[str, Any], id_column: str | None) -> str:
 
 def requests(rows: Iterable[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
     """The output rows grouped by request: consecutive rows of one ``row_index`` (one per sample with
-    ``output.samples: rows``)."""
-    for _, group in itertools.groupby(rows, key=lambda r: r["row_index"]):
-        yield list(group)
+    ``output.samples: rows``), or of one score or rerank request (a row per pair, ``pair_index`` 0, 1, ...)."""
+    group: list[dict[str, Any]] = []
+    for row in rows:
+        if group and not _same_request(group[-1], row):
+            yield group
+            group = []
+        group.append(row)
+    if group:
+        yield group
+
+
+def _same_request(before: dict[str, Any], row: dict[str, Any]) -> bool:
+    if row["row_index"] == before["row_index"]:
+        return True
+    pair = row.get("pair_index")
+    return bool(pair) and row.get("url") in SCORE + RERANK and row.get("custom_id") == before.get("custom_id")
 
 
 def _samples(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -82,7 +121,12 @@ def result_line(
     prompt_tokens = first.get("prompt_tokens") or 0
     error = first.get("error")
     body: dict[str, Any]
-    if URLS[task] == EMBEDDINGS:
+    if task == "score":
+        if any(r.get("score") is None for r in rows):
+            error = next((r["error"] for r in rows if r.get("error")), None)
+            return _error(line, index, error or "no_score: the pair got no score")
+        body = _score_body(rows, index, model, created)
+    elif URLS[task] == EMBEDDINGS:
         if first.get("embedding") is None:
             return _error(line, index, error or "no_embedding: the row got no embedding")
         body = {
@@ -151,6 +195,34 @@ def result_line(
     return {**line, "response": {"status_code": 200, "request_id": f"req_{index}", "body": body}}
 
 
+def _score_body(rows: list[dict[str, Any]], index: int, model: str, created: int) -> dict[str, Any]:
+    """vLLM's ``ScoreResponse`` (a score per pair, in the request's order) or, for a rerank request,
+    its ``RerankResponse`` (the documents by relevance, most relevant first, the first ``top_n``), as
+    vLLM's server makes them (vllm/entrypoints/pooling/scoring/serving.py); the usage is the pairs'
+    prompt tokens."""
+    tokens = sum(r.get("prompt_tokens") or 0 for r in rows)
+    if rows[0].get("url") not in RERANK:
+        return {
+            "id": f"score-{index}",
+            "object": "list",
+            "created": created,
+            "model": model,
+            "data": [{"index": i, "object": "score", "score": r["score"]} for i, r in enumerate(rows)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                      "prompt_tokens_details": None},
+        }  # fmt: skip
+    results = [{"index": r["pair_index"], "document": {"text": r["pair"], "multi_modal": None},
+                "relevance_score": r["score"]} for r in rows]  # fmt: skip
+    results.sort(key=lambda x: x["relevance_score"], reverse=True)  # stable: ties keep the documents' order
+    top_n = json.loads(rows[0]["body"]).get("top_n", 0) if rows[0].get("body") else 0
+    return {
+        "id": f"rerank-{index}",
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "results": results[:top_n] if top_n else results,
+    }
+
+
 # -- Log-probabilities (results.LOGPROB_TYPE: per position the sampled token, then the top-k) ---------
 
 
@@ -217,13 +289,18 @@ CONTENT_FIELDS = ("messages", "prompt", "input", "model")
 EMBEDDING_IGNORED = frozenset({"user", "encoding_format"})
 
 
-def expected_url(task: str, chat: bool) -> str:
-    """The request url a run serves: its task, and for generation whether prompts are chats."""
-    return COMPLETIONS if URLS[task] == CHAT and not chat else URLS[task]
+def served_urls(config: RunConfig) -> tuple[str, ...]:
+    """The request urls a run of ``input.openai_batch`` serves (none for another input): its task's,
+    and for generation whether prompts are chats."""
+    if not config.input.openai_batch:
+        return ()
+    if config.task == "score":
+        return SCORE + RERANK
+    return (COMPLETIONS if URLS[config.task] == CHAT and not config.prompt.chat else URLS[config.task],)
 
 
-def scan_line(line: bytes, path: str, lineno: int) -> tuple[str, str | None]:
-    """A request line's ``custom_id`` and ``body.model``, read when planning.
+def scan_line(line: bytes, path: str, lineno: int, pairs: bool = False) -> tuple[str, str | None, int]:
+    """A request line's ``custom_id``, ``body.model`` and rows (``request_rows``), read when planning.
 
     Raises:
         InputError: the line is not a JSON object with a string ``custom_id``, naming the file and line.
@@ -238,7 +315,16 @@ def scan_line(line: bytes, path: str, lineno: int) -> tuple[str, str | None]:
         raise InputError(f"input: '{path}', line {lineno}: a request needs a custom_id (a non-empty string)")
     body = request.get("body")
     model = body.get("model") if isinstance(body, dict) else None
-    return request["custom_id"], model if isinstance(model, str) else None
+    return request["custom_id"], model if isinstance(model, str) else None, _rows(request, pairs)
+
+
+def _rows(request: dict[str, Any], pairs: bool) -> int:
+    if not pairs or request.get("url") not in SCORE + RERANK:
+        return 1
+    try:
+        return len(score_pairs(request["url"], request.get("body"))[0])
+    except ValueError:
+        return 1  # the row of the request's error
 
 
 def request_row(line: bytes) -> dict[str, Any]:
@@ -253,6 +339,8 @@ def request_row(line: bytes) -> dict[str, Any]:
     try:
         if not isinstance(body, dict):
             raise ValueError("body: a JSON object")
+        if row["url"] in SCORE + RERANK:
+            return row  # another task's request (a score run reads it with request_rows): RowInputs refuses it
         if row["url"] == CHAT:
             row["messages"] = _messages(body.get("messages"))
         elif row["url"] in (COMPLETIONS, EMBEDDINGS):
@@ -261,7 +349,7 @@ def request_row(line: bytes) -> dict[str, Any]:
                 raise ValueError(f"body.{key}: one string per request")
             row["input"] = body[key]
         else:
-            raise ValueError(f"url: {row['url']!r} is none of {CHAT}, {COMPLETIONS}, {EMBEDDINGS}")
+            raise ValueError(f"url: {row['url']!r} is none of {', '.join(ALL_URLS)}")
         rest = {k: v for k, v in body.items() if k not in CONTENT_FIELDS}
         if row["url"] == EMBEDDINGS and (changes := sorted(set(rest) - EMBEDDING_IGNORED)):
             raise ValueError(f"body.{changes[0]}: not served for embeddings (it would change the result)")
@@ -285,3 +373,90 @@ def _messages(value: Any) -> list[dict[str, str]]:
             raise ValueError(f"body.messages[{i}]: a role and a text content")
         out.append({"role": m["role"], "content": content})
     return out
+
+
+# -- Score and rerank requests (task score) -----------------------------------------------------------
+
+# The two texts of vLLM's ScoreRequest forms, in the order its union tries them, and of its
+# RerankRequest (vllm/entrypoints/pooling/scoring/protocol.py)
+SCORE_TEXTS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
+RERANK_TEXTS = ("query", "documents")
+# fields of vLLM's score and rerank requests that change no score
+SCORE_IGNORED = frozenset({"model", "user", "request_id", "priority", "cache_salt"})
+# fields that would change the scores, served at vLLM's default only (a null field is the default)
+SCORE_DEFAULTS = {"truncate_prompt_tokens": (), "padding": (), "truncation_side": (), "use_activation": (),
+                  "mm_processor_kwargs": ({},), "chat_template_kwargs": ({},), "instruction": (),
+                  "max_tokens_per_query": (0,), "max_tokens_per_doc": (0,)}  # fmt: skip
+
+
+def request_rows(line: bytes, pairs: bool = False) -> list[dict[str, Any]]:
+    """The rows of one request line: its row (``request_row``); in a score run (``pairs``), a row per
+    pair of texts of a score or rerank request (``sources.PAIR_SCHEMA``): the first text as ``input``,
+    the second as ``pair``, its place among the request's pairs (``pair_index``; a rerank's document
+    index), and a rerank's ``top_n`` in ``body``. A request that is not valid is one row, its error."""
+    row = request_row(line)
+    if not pairs:
+        return [row]
+    row |= {"pair": None, "pair_index": None}
+    if row["url"] not in SCORE + RERANK:
+        return [row]  # another task's request: RowInputs refuses it
+    try:
+        texts, top_n = score_pairs(row["url"], json.loads(line).get("body"))
+    except ValueError as e:
+        return [row | {"request_error": str(e)}]
+    body = json.dumps({"top_n": top_n}) if top_n else None
+    return [row | {"input": a, "pair": b, "pair_index": i, "body": body} for i, (a, b) in enumerate(texts)]
+
+
+def score_pairs(url: str, body: Any) -> tuple[list[tuple[str, str]], int]:
+    """The pairs of texts of a score or rerank request, as vLLM pairs them (one first text with each
+    second, or the i-th with the i-th: vllm/entrypoints/pooling/scoring/utils.py,
+    ``_validate_score_input_lens``), and a rerank's ``top_n`` (0: every document).
+
+    Raises:
+        ValueError: naming the field.
+    """
+    rerank = url in RERANK
+    kind = "rerank" if rerank else "score"
+    if not isinstance(body, dict):
+        raise ValueError("body: a JSON object")
+    if rerank:
+        first, second = RERANK_TEXTS
+        if not isinstance(body.get(first), str):
+            raise ValueError(f"body.{first}: one string per rerank request")
+    else:
+        given = [f for f in SCORE_TEXTS if f[0] in body and f[1] in body]
+        if not given:
+            half = next((f for f in SCORE_TEXTS if f[0] in body or f[1] in body), SCORE_TEXTS[-1])
+            missing = half[1] if half[0] in body else half[0]
+            raise ValueError(f"body.{missing}: a score request needs {half[0]} and {half[1]}")
+        first, second = given[0]
+    ones, twos = _texts(body, first), _texts(body, second)
+    if len(ones) > 1 and len(ones) != len(twos):
+        raise ValueError(f"body.{first}: {len(ones)} texts for {len(twos)} in body.{second}: pairs are 1:1, 1:N or N:N")
+    top_n = body.get("top_n") if rerank else None
+    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0):
+        raise ValueError("body.top_n: a non-negative integer")
+    served = {first, second, "top_n"} if rerank else {first, second}
+    for key in sorted(set(body) - served):
+        value = body[key]
+        if value is None or key in SCORE_IGNORED or (key in SCORE_DEFAULTS and value in SCORE_DEFAULTS[key]):
+            continue
+        if key in SCORE_DEFAULTS:
+            raise ValueError(f"body.{key}: not served for {kind} requests (it would change the scores)")
+        raise ValueError(f"body.{key}: not a field of a {kind} request")
+    return [(ones[0] if len(ones) == 1 else ones[i], t) for i, t in enumerate(twos)], top_n or 0
+
+
+def _texts(body: dict[str, Any], key: str) -> list[str]:
+    value = body[key]
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise ValueError(f"body.{key}: a string or a list of strings (multimodal content is not served)")
+    if not value:
+        raise ValueError(f"body.{key}: at least one text")
+    for i, v in enumerate(value):
+        if not isinstance(v, str):
+            raise ValueError(f"body.{key}[{i}]: a string (multimodal content is not served)")
+    return value

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from shardgen import records
 from shardgen.errors import InputError
-from shardgen.io import Dir, atomic_write
+from shardgen.io import Dir, LazyDir, atomic_write
 from shardgen.rundir import ATTEMPTS, DISCARDED, FINGERPRINT_KEY, PROGRESS
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ PART_NAME = re.compile(r"part-(\d{6})\.parquet")
 _TMP_NAME = re.compile(r"\.(part-\d{6}\.parquet|attempts\.jsonl|progress\.json)\.[0-9a-f]{8}\.tmp")
 
 
-class ShardCheckpoint:
+class ShardCheckpoint(LazyDir):
     """The part files of one shard in progress, and the record of its attempts.
 
     Args:
@@ -120,8 +120,7 @@ class ShardCheckpoint:
     def __init__(
         self, directory: str | Path, start: int, stop: int, schema: pa.Schema, below: str | Path | None = None
     ) -> None:
-        self.path = Path(directory)
-        self.below = below
+        super().__init__(directory, below)
         self.start, self.stop = start, stop
         self.schema = schema
         self.fingerprint = schema.metadata[FINGERPRINT_KEY].decode()
@@ -134,7 +133,6 @@ class ShardCheckpoint:
         self._tables: list[pa.Table] = []
         self._parts: list[str] = []
         self._next = 0
-        self._dir: Dir | None = None
         self.discarded: list[str] = []
         self.foreign: list[str] = []
         # input rows in the parts read or written here
@@ -142,17 +140,6 @@ class ShardCheckpoint:
         # per-row errors among the resumed rows
         self.resumed_errors = 0
         self.first_error: str | None = None
-
-    @property
-    def dir(self) -> Dir:
-        if self._dir is None:
-            self._dir = Dir.open(self.path, below=self.below)
-        return self._dir
-
-    def close(self) -> None:
-        if self._dir is not None:
-            self._dir.close()
-            self._dir = None
 
     def resume(self) -> set[int]:
         """Load every usable part; return the row indexes already done.
@@ -219,6 +206,10 @@ class ShardCheckpoint:
             self.dir.move(name, aside, new)
         log.warning("checkpoint %s %s: moved to %s; its rows will be generated again", name, reason, aside.path / new)
         self.discarded.append(f"{name}: {reason} (moved to {DISCARDED}/{new})")
+
+    def narrow(self, stop: int) -> None:
+        """The shard now ends at ``stop`` (a split: every row saved so far is below it)."""
+        self.stop, self.rows = stop, stop - self.start
 
     def flush(self, rows: list[dict[str, Any]]) -> None:
         """Write finished rows as one new part file."""

@@ -214,7 +214,7 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
         from shardgen.steps import step_manifest
 
         return step_manifest(config)
-    source = open_source(config.input)
+    source = open_source(config.input, config.kind.pairs)
     renderer = PromptRenderer.from_config(config.prompt)
     check_columns(config, source.schema, source.describe())
     if source.num_rows == 0 and not config.input.allow_empty:

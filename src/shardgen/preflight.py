@@ -30,7 +30,7 @@ from shardgen.images import row_images
 from shardgen.installed import version_problem, vllm_build
 from shardgen.io import atomic_write_text
 from shardgen.kernels import kernel_problem
-from shardgen.openai_batch import expected_url
+from shardgen.openai_batch import served_urls
 from shardgen.plan import Manifest, check_columns
 from shardgen.prompts import PromptRenderer
 
@@ -300,8 +300,8 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     later_step = config.input.step is not None
     if not later_step:
         source.check_unchanged()
-    if config.input.id_column:
-        problems += check_ids(source, manifest, config.input.id_column)
+    if config.input.id_column and not config.input.openai_batch:  # planning checked every custom_id once;
+        problems += check_ids(source, manifest, config.input.id_column)  # a score request's pairs share it
 
     # The model: local files, a tokenizer, a precision this build runs, a context that fits.
     record = record or resolve_model(model_cfg, allow_download=False, adapters=config.lora.adapters)
@@ -362,7 +362,8 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
         first_error.setdefault(e.reason, f"row {index}: {e}")
 
     prompts = []
-    batch = RowInputs(url=expected_url(config.task, config.prompt.chat)) if config.input.openai_batch else RowInputs()
+    budgets: dict[int, int] = {}  # a sampled row's own max_tokens x n (input.sampling_column)
+    batch = RowInputs(urls=served_urls(config))
     for index, row in sample:
         try:
             batch.check(row)  # an OpenAI batch request that is not valid
@@ -370,16 +371,19 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
             row_images(config.prompt.images, row)  # decoded here: a column of broken images is found now
             if (column := config.input.sampling_column) and row.get(column) is not None:
                 own_n = config.output.samples == "list"
-                rowsampling.sampling_params(config.sampling, row[column], column, own_n=own_n)  # the row's own
+                params, _ = rowsampling.sampling_params(config.sampling, row[column], column, own_n=own_n)
+                budgets[index] = params.max_tokens * params.n  # the row's own, checked by vLLM
             prompts.append((index, row, renderer.render(row)))
         except RowError as e:
             row_error(index, row, e)
     encoded = tokenizer.encode_batch([p for _, _, p in prompts])
+    outputs: list[int] = []  # the output tokens each sampled row that runs may generate
     for (index, row, _), ids in zip(prompts, encoded, strict=True):
         if isinstance(ids, RowError):
             row_error(index, row, ids)
         else:
             lengths.append(len(ids))
+            outputs.append(budgets.get(index, sampling.max_tokens * sampling.n))
     errors = sum(reasons.values())
     detail = "; ".join(f"{k} {v} (first: {first_error[k]})" for k, v in sorted(reasons.items()))
     if "template_unsafe" in reasons:
@@ -412,7 +416,7 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
         "max_model_len": max_len,
         "sampled_rows": len(sample),
         "sampled_errors": reasons,
-        "estimate": estimate(config, manifest, lengths),
+        "estimate": estimate(config, manifest, lengths, outputs),
     }
     if problems:
         raise PreflightError(
@@ -422,13 +426,23 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     return report
 
 
-def estimate(config: RunConfig, manifest: Manifest, lengths: list[int]) -> dict[str, Any]:
-    """The run's size: rows, shards, prompt tokens (from the sample) and GPU-hours at the stated throughput."""
+def estimate(
+    config: RunConfig, manifest: Manifest, lengths: list[int], outputs: list[int] | None = None
+) -> dict[str, Any]:
+    """The run's size: rows, shards, prompt tokens (from the sample) and GPU-hours at the stated throughput.
+
+    Args:
+        outputs: the output tokens each sampled row may generate (its ``max_tokens`` times its ``n``):
+            with ``input.sampling_column`` a row's own, so the sample's mean stands for every row.
+    """
     rows, shards = manifest.total_rows, len(manifest.shards)
     pre = config.preflight
     generates = config.kind.generates
     # every sample of a row is generated: n of them
     out_tokens = rows * config.sampling.max_tokens * config.sampling.n if generates else 0
+    per_row = generates and bool(config.input.sampling_column and outputs)
+    if per_row:
+        out_tokens = round(sum(outputs) / len(outputs) * rows)
     mean_prompt = sum(lengths) / len(lengths) if lengths else 0.0
     work = out_tokens if generates else mean_prompt * rows  # a pooling task's work is its prompts
     seconds = work / pre.tokens_per_second + shards * pre.engine_start_seconds
@@ -443,7 +457,7 @@ def estimate(config: RunConfig, manifest: Manifest, lengths: list[int]) -> dict[
         "assumed_tokens_per_second": pre.tokens_per_second,
         "assumed_engine_start_seconds": pre.engine_start_seconds,
         "gpu_hours_at_most": round(seconds * gpus / 3600, 3),
-    }
+    } | ({"output_tokens_from": "the sampled rows' own max_tokens and n"} if per_row else {})
 
 
 def report_text(report: dict[str, Any]) -> str:
@@ -453,7 +467,8 @@ def report_text(report: dict[str, Any]) -> str:
         f"vLLM {report['vllm_version']}, {report['vllm_build']} build)",
         f"  rows {e['rows']} in {e['shards']} shards, {e['gpus_per_job']} GPU(s) per job",
         f"  prompt tokens about {e['prompt_tokens']} (mean {e['mean_prompt_tokens_sampled']} sampled), "
-        f"output tokens at most {e['output_tokens_at_most']}",
+        f"output tokens at most {e['output_tokens_at_most']}"
+        + (f" ({e['output_tokens_from']})" if "output_tokens_from" in e else ""),
         f"  GPU-hours at most {e['gpu_hours_at_most']} at {e['assumed_tokens_per_second']} output tokens/s "
         f"and {e['assumed_engine_start_seconds']} s engine start per job (preflight.tokens_per_second, "
         "preflight.engine_start_seconds)",

@@ -15,6 +15,8 @@ rather than formatting paths, and every command that reads or writes the directo
     shards/workers/<i>.json       shards.workers: a worker's record of its shards
     checkpoints/<shard>/          a shard in progress: parts, attempts.jsonl, progress.json
     claims/<shard>.<gen>.claim    who writes a shard (claims.ClaimBoard)
+    splits/<shard>.<row>.cut      a shard of elastic workers split at a row (splits); pieces
+                                  <shard>-<row> have the files of a shard of that name
     logs/<rule>/<key>.log         the rules' logs; logs/stopped.json: why the last run stopped
     stats.json, output.*          the merge's stats and dataset; pushed.json, plots/
     .shardgen-run.lock            the run that holds the directory (runlock)
@@ -107,6 +109,10 @@ class RunDir:
         return self.root / "claims"
 
     # logs/
+    @property
+    def splits(self) -> Path:
+        return self.root / "splits"
+
     @property
     def logs(self) -> Path:
         return self.root / "logs"

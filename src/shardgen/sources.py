@@ -360,17 +360,24 @@ class HFSource:
 
 @dataclass(frozen=True)
 class BatchFileInfo:
-    """What planning records of one OpenAI Batch file: its lines, and the byte offset of every
-    ``BATCH_BLOCK``-th one (where a job starts reading a shard's lines)."""
+    """What planning records of one OpenAI Batch file: its rows (a row per line; in a score run a row
+    per pair of texts, ``openai_batch.request_rows``), and the byte offset of the line that holds every
+    ``BATCH_BLOCK``-th row (where a job starts reading a shard's lines), with the first row of that
+    line (``firsts``: recorded in a score run only, where a line may hold several rows)."""
 
     path: str
     size: int
     mtime_ns: int
     rows: int
     offsets: list[int] = field(default_factory=list)
+    firsts: list[int] | None = None
+
+    def first_row(self, block: int) -> int:
+        """The first row of the line at ``offsets[block]``."""
+        return self.firsts[block] if self.firsts is not None else block * BATCH_BLOCK
 
 
-BATCH_BLOCK = 1024  # lines between two recorded offsets
+BATCH_BLOCK = 1024  # rows between two recorded offsets
 # The columns of an OpenAI Batch input's rows (shardgen.openai_batch.request_row makes them).
 BATCH_SCHEMA = pa.schema([
     ("custom_id", pa.large_string()),
@@ -380,24 +387,32 @@ BATCH_SCHEMA = pa.schema([
     ("body", pa.large_string()),
     ("request_error", pa.large_string()),
 ])  # fmt: skip
+# A score run's rows (a row per pair of texts): the second text, and its place among its request's pairs.
+PAIR_SCHEMA = BATCH_SCHEMA.append(pa.field("pair", pa.large_string())).append(pa.field("pair_index", pa.int32()))
 
 
 class OpenAIBatchSource:
     """OpenAI Batch API request files (JSON Lines), a request per line, in the order given, as rows
     (``BATCH_SCHEMA``): planning reads every line once (each must be JSON with a unique
-    ``custom_id``) and records where each block of lines starts; a job seeks to its lines."""
+    ``custom_id``) and records where each block of rows starts; a job seeks to its lines.
+
+    In a score run (``pairs``) a score or rerank request is a row per pair of texts (``PAIR_SCHEMA``),
+    each scored by its own engine request as a Parquet input's rows are; the merge gives the request's
+    pairs back as one result line (``openai_batch.requests``).
+    """
 
     kind = "openai_batch"
-    schema = BATCH_SCHEMA
 
-    def __init__(self, files: list[BatchFileInfo], models: list[str] | None = None) -> None:
+    def __init__(self, files: list[BatchFileInfo], models: list[str] | None = None, pairs: bool = False) -> None:
         self.files = files
         self.models = models or []  # the body.model values of the requests, when planned
+        self.pairs = pairs
+        self.schema = PAIR_SCHEMA if pairs else BATCH_SCHEMA
         self._offsets = list(itertools.accumulate((f.rows for f in files), initial=0))
 
     @classmethod
-    def scan(cls, patterns: list[str]) -> OpenAIBatchSource:
-        """Read the files once: line offsets, a JSON object per line, unique custom ids, one model.
+    def scan(cls, patterns: list[str], pairs: bool = False) -> OpenAIBatchSource:
+        """Read the files once: row offsets, a JSON object per line, unique custom ids, one model.
 
         Raises:
             InputError: naming the file and line.
@@ -406,36 +421,39 @@ class OpenAIBatchSource:
 
         infos, seen, models = [], set(), set()
         for path in expand_patterns(patterns, "input.openai_batch"):
-            offsets, rows, pos = [], 0, 0
+            offsets, firsts, rows, pos = [], [], 0, 0
             st = os.stat(path)
             with open(path, "rb") as f:
                 for lineno, line in enumerate(f, 1):
                     if line.strip():
-                        if rows % BATCH_BLOCK == 0:
+                        custom_id, model, count = scan_line(line, path, lineno, pairs)
+                        while len(offsets) * BATCH_BLOCK < rows + count:  # the blocks that start in this line
                             offsets.append(pos)
-                        custom_id, model = scan_line(line, path, lineno)
+                            firsts.append(rows)
                         key = hashlib.blake2b(custom_id.encode(), digest_size=8).digest()
                         if key in seen:
                             raise InputError(f"input: '{path}', line {lineno}: the custom_id {custom_id!r} again")
                         seen.add(key)
                         models.add(model)
-                        rows += 1
+                        rows += count
                     pos += len(line)  # an empty line is no request
-            infos.append(BatchFileInfo(path, st.st_size, st.st_mtime_ns, rows, offsets))
+            infos.append(BatchFileInfo(path, st.st_size, st.st_mtime_ns, rows, offsets, firsts if pairs else None))
         models.discard(None)
         if len(models) > 1:
             raise InputError(
                 f"input.openai_batch: the requests name {len(models)} models ({', '.join(sorted(models)[:5])}); "
                 "a run serves one (model.model): split the file by model"
             )
-        return cls(infos, sorted(models))
+        return cls(infos, sorted(models), pairs)
 
     def to_manifest(self) -> dict[str, Any]:
-        return {"kind": self.kind, "files": [asdict(f) for f in self.files], "models": self.models}
+        files = [{k: v for k, v in asdict(f).items() if k != "firsts" or v is not None} for f in self.files]
+        # `pairs` only when set: the manifests of other runs stay as they were
+        return {"kind": self.kind, "files": files, "models": self.models} | ({"pairs": True} if self.pairs else {})
 
     @classmethod
     def from_manifest(cls, entry: dict[str, Any]) -> OpenAIBatchSource:
-        return cls([BatchFileInfo(**f) for f in entry["files"]], entry.get("models"))
+        return cls([BatchFileInfo(**f) for f in entry["files"]], entry.get("models"), entry.get("pairs", False))
 
     # files by path, size and modification time, rows by a running offset: as Parquet's
     num_rows = ParquetSource.num_rows
@@ -447,14 +465,14 @@ class OpenAIBatchSource:
         self, segments: list[Segment], batch_rows: int = BATCH_ROWS, columns: list[str] | None = None
     ) -> Iterator[pa.RecordBatch]:
         """Stream the requests of the segments as rows, from the recorded offset before each."""
-        from shardgen.openai_batch import request_row
+        from shardgen.openai_batch import request_rows
 
         self.check_unchanged({s.file for s in segments})
         schema = self.schema if columns is None else pa.schema([self.schema.field(c) for c in columns])
         for seg in segments:
             info = self.files[seg.file]
             block = seg.start // BATCH_BLOCK
-            row = block * BATCH_BLOCK
+            row = info.first_row(block)
             out: list[dict[str, Any]] = []
             with open(info.path, "rb") as f:
                 f.seek(info.offsets[block])
@@ -463,17 +481,19 @@ class OpenAIBatchSource:
                         continue
                     if row >= seg.stop:
                         break
-                    if row >= seg.start:
-                        out.append(request_row(line))
-                        if len(out) == batch_rows:
-                            yield pa.RecordBatch.from_pylist(out, schema=schema)
-                            out = []
-                    row += 1
+                    for request in request_rows(line, self.pairs):
+                        if seg.start <= row < seg.stop:
+                            out.append(request)
+                            if len(out) == batch_rows:
+                                yield pa.RecordBatch.from_pylist(out, schema=schema)
+                                out = []
+                        row += 1
             if out:
                 yield pa.RecordBatch.from_pylist(out, schema=schema)
 
     def byte_blocks(self, columns: list[str]) -> Iterator[tuple[int, int]]:
-        """``(rows, bytes)`` of each block of lines, from the recorded offsets (the whole request's)."""
+        """``(rows, bytes)`` of each block of rows, from the recorded offsets (the whole request's; a
+        line of several blocks' rows counts in the first)."""
         for info in self.files:
             ends = [*info.offsets[1:], info.size]
             for i, (start, end) in enumerate(zip(info.offsets, ends, strict=True)):
@@ -483,12 +503,13 @@ class OpenAIBatchSource:
 Source = ParquetSource | HFSource | OpenAIBatchSource  # or steps.StepSource: a step's input
 
 
-def open_source(input_cfg: InputConfig) -> Source:
-    """Open the source that ``input`` in the config names (metadata only for Parquet)."""
+def open_source(input_cfg: InputConfig, pairs: bool = False) -> Source:
+    """Open the source that ``input`` in the config names (metadata only for Parquet); ``pairs``: the
+    task scores pairs of texts (``tasks.Task.pairs``), which a batch file's requests hold several of."""
     if input_cfg.parquet:
         return ParquetSource.scan(list(input_cfg.parquet))
     if input_cfg.openai_batch:
-        return OpenAIBatchSource.scan(list(input_cfg.openai_batch))
+        return OpenAIBatchSource.scan(list(input_cfg.openai_batch), pairs)
     if input_cfg.hf:
         return HFSource.open("hf", dict(input_cfg.hf))
     if input_cfg.disk:

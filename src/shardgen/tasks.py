@@ -58,6 +58,8 @@ class Task:
     name: ClassVar[str]
     generates: ClassVar[bool] = False
     needs_head: ClassVar[bool] = False
+    # whether each prompt is a pair of texts (prompt.pair_template)
+    pairs: ClassVar[bool] = False
     # the keys of `pooling` that are this task's only
     pooling_keys: ClassVar[tuple[str, ...]] = ()
     spec: Columns
@@ -240,8 +242,6 @@ class PoolingTask(Task):
     pooling_task: ClassVar[str] = "classify"
     # whether the pooled values go through the model's activation (pooling.use_activation unset)
     activation: ClassVar[bool] = True
-    # whether each prompt is a pair of texts (prompt.pair_template)
-    pairs: ClassVar[bool] = False
     # whether the model's head must have one output (a reward model or cross-encoder)
     one_output: ClassVar[bool] = False
 

@@ -63,7 +63,7 @@ def test_the_scale_benchmark_measures_plan_dry_run_merge_and_simulates_the_three
     # the simulation: every mode ran all the work; workers start the fewest engines and finish first,
     # and sooner with the plan's guided tail
     sim = {r["mode"]: r for r in result["simulate"]["runs"]}
-    assert list(sim) == ["per_shard", "per_job", "workers", "workers + tail"]
+    assert list(sim) == ["per_shard", "per_job", "workers", "workers + tail", "workers + tail + split"]
     cluster = result["simulate"]["cluster"]
     assert sim["per_shard"]["engine_starts"] == cluster["shards"]
     assert sim["per_job"]["engine_starts"] == cluster["shards"] // cluster["per_job"]
@@ -72,4 +72,10 @@ def test_the_scale_benchmark_measures_plan_dry_run_merge_and_simulates_the_three
         assert 0 < r["efficiency"] <= 1 and r["billed_gpu_h"] >= result["simulate"]["work"]["total_gpu_h"]
     assert sim["workers"]["makespan_h"] < sim["per_job"]["makespan_h"] < sim["per_shard"]["makespan_h"]
     assert sim["workers + tail"]["makespan_h"] < sim["workers"]["makespan_h"]
+    # idle workers split the running shards (splits.victim, splits.cut_point): the end comes sooner still
+    assert sim["workers + tail + split"]["splits_made"] > 0
+    assert sim["workers + tail + split"]["makespan_h"] < sim["workers + tail"]["makespan_h"]
+    end = {(e["sigma"], e["estimate"], e["shards"]): e["runs"] for e in result["simulate"]["end"]}
+    (split,) = [r for r in end[(1.5, "rows", 1000)] if r["order"] == "longest first + tail + split, order input"]
+    assert split["vs_bound"] <= 1.10 and split["efficiency"] >= 0.97, split
     assert "**Simulated**" in md

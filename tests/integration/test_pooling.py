@@ -1,8 +1,9 @@
 """The pooling tasks end to end on the real engine, through the workflow: a classifier (killed with
-kill -9 mid-shard, then resumed), an embedding model (local profile), and a cross-encoder through the
-Slurm profile (the reward model: the steps test in test_workflow.py). Every row exactly once, each
-output column of its Arrow type and shape, the stats and the report consistent with the rows; and a
-classifier task on a model without a classification head stops in the preflight."""
+kill -9 mid-shard, then resumed), an embedding model (local profile, from an OpenAI batch file), and a
+cross-encoder through the Slurm profile (from vLLM's score and rerank requests; the reward model: the
+steps test in test_workflow.py). Every row exactly once, each output column of its Arrow type and
+shape, the stats and the report consistent with the rows; and a classifier task on a model without a
+classification head stops in the preflight."""
 
 from __future__ import annotations
 
@@ -115,15 +116,48 @@ def test_an_embedding_model_gives_a_fixed_size_normalised_float32_vector_per_row
 
 @pytest.mark.slurm
 def test_a_cross_encoder_scores_each_pair_through_slurm(tmp_path, slurm_cluster):
-    rows = 20
-    config = pooling_run(tmp_path, "score", REWARD, rows)
-    config["prompt"] = {"template": "What is {{ topic }}?", "pair_template": "Item {{ n }} is about {{ topic }}.",
-                        "chat": False}  # fmt: skip
+    """From an OpenAI batch file of vLLM's score and rerank requests (one text with several, N with N,
+    a rerank's top_n) to vLLM's score and rerank responses, a line per request (the Parquet output's
+    score column is checked from the shard, which every format is merged from)."""
+    from vllm.entrypoints.pooling.scoring.protocol import RerankResponse, ScoreResponse
+
+    items = [f"Item {i} is about {TOPICS[i % 8]}." for i in range(6)]
+    bodies = [
+        ("/score", {"text_1": "What is the sea?", "text_2": items}),
+        ("/v1/rerank", {"query": "What is the sea?", "documents": items, "top_n": 2}),
+        ("/v1/score", {"queries": [f"What is {t}?" for t in TOPICS[:4]], "documents": items[:4]}),
+        ("/rerank", {"query": "What are owls?", "documents": items[:3]}),
+        ("/score", {"text_1": "What is tea?"}),  # no text_2: the request's error
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),  # not a score run's url
+    ]
+    requests = [{"custom_id": f"s{i}", "method": "POST", "url": url, "body": {"model": "m", **body}}
+                for i, (url, body) in enumerate(bodies)]  # fmt: skip
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    rows = 6 + 6 + 4 + 3 + 1 + 1  # a row per pair, one per request that is not valid
+    config = pooling_run(tmp_path, "score", REWARD, rows, output={"format": "openai_batch"}, errors={"max_rate": 0.2})
+    config["input"], _ = {"openai_batch": [str(tmp_path / "data" / "in.jsonl")]}, config.pop("prompt")
     run_workflow(tmp_path, config, "slurm")
-    table, stats = merged(tmp_path, rows)
-    scores = table.column("score").to_pylist()
-    assert table.schema.field("score").type == pa.float32() and all(0 < s < 1 for s in scores), "sigmoid scores"
-    assert len(set(scores)) > 1 and stats["shards"][0]["slurm"]["job_id"]
+
+    out = tmp_path / "results" / "openai"
+    ok, failed = ([json.loads(x) for x in (out / n).read_text().splitlines()] for n in ("output.jsonl", "errors.jsonl"))
+    assert [line["custom_id"] for line in ok] == ["s0", "s1", "s2", "s3"], "a line per request, in input order"
+    assert [line["custom_id"] for line in failed] == ["s4", "s5"]
+    assert "body.text_2" in json.dumps(failed[0]) and "but this run serves /score" in json.dumps(failed[1])
+    score, rerank, pairs, owls = (line["response"]["body"] for line in ok)
+    scores = [d.score for d in ScoreResponse.model_validate(score).data]
+    assert len(scores) == 6 and all(0 < x < 1 for x in scores) and len(set(scores)) > 1, "sigmoid scores"
+    ranked = sorted(range(6), key=lambda i: -scores[i])[:2]
+    top = RerankResponse.model_validate(rerank).results
+    assert [r.index for r in top] == ranked and [r.document.text for r in top] == [items[i] for i in ranked]
+    assert all(math.isclose(r.relevance_score, scores[r.index], rel_tol=1e-3) for r in top), "the same pairs"
+    assert len(ScoreResponse.model_validate(pairs).data) == 4 and len(RerankResponse.model_validate(owls).results) == 3
+    shard = pq.read_table(tmp_path / "results" / "shards" / "00000.parquet")
+    assert shard.schema.field("score").type == pa.float32() and shard.num_rows == rows
+    tokens = [t for t in shard.column("prompt_tokens").to_pylist() if t is not None]  # not an invalid request's
+    assert sum(body["usage"]["prompt_tokens"] for body in (score, rerank, pairs, owls)) == sum(tokens), "its pairs'"
+    stats = json.loads((tmp_path / "results" / "stats.json").read_text())
+    assert stats["rows"] == rows and stats["errors"] == 2 and stats["shards"][0]["slurm"]["job_id"]
 
 
 def test_classify_with_a_model_without_a_classification_head_stops_in_the_preflight(tmp_path):

@@ -17,10 +17,11 @@ from tests.conftest import base_config, changed, make_rows, write_parquet
 from tests.integration.workflow import run_bounded, run_workflow, workflow_config
 
 
-def preflight(tmp_path, capsys, rows=None, id_column=None, **overrides) -> tuple[int, str]:
+def preflight(tmp_path, capsys, rows=None, id_column=None, sampling_column=None, **overrides) -> tuple[int, str]:
     """Plan ``rows`` and run ``shardgen preflight``; return its exit status and stderr."""
     data = write_parquet(tmp_path / "in.parquet", rows if rows is not None else make_rows(40))
-    config = base_config({"parquet": [str(data)], "id_column": id_column}, **overrides)
+    inputs = {"parquet": [str(data)], "id_column": id_column, "sampling_column": sampling_column}
+    config = base_config(inputs, **overrides)
     (tmp_path / "c.json").write_text(json.dumps(config.raw))
     write_manifest(config, tmp_path / "m.json")
     capsys.readouterr()
@@ -88,6 +89,17 @@ def test_the_estimate_counts_every_sample_of_a_row(tmp_path, capsys, model_dir):
     rc, _ = preflight(tmp_path, capsys, sampling={"temperature": 0.8, "max_tokens": 12, "n": 3})
     assert rc == 0
     assert json.loads((tmp_path / "report.json").read_text())["estimate"]["output_tokens_at_most"] == 40 * 12 * 3
+
+
+def test_the_estimate_takes_each_rows_own_max_tokens_and_n_from_its_sampling_column(tmp_path, capsys, model_dir):
+    rows = make_rows(40)
+    for i, r in enumerate(rows):  # half the rows ask for 4 samples of 20 tokens, half keep the run's 1 of 12
+        r["sampling"] = json.dumps({"max_tokens": 20, "n": 4}) if i % 2 else None
+    rc, err = preflight(tmp_path, capsys, rows, sampling_column="sampling", output={"samples": "list"},
+                        sampling={"temperature": 0.8, "max_tokens": 12})  # fmt: skip
+    assert rc == 0, err
+    estimate = json.loads((tmp_path / "report.json").read_text())["estimate"]
+    assert estimate["output_tokens_at_most"] == 20 * 12 + 20 * 20 * 4 and "own max_tokens and n" in str(estimate)
 
 
 def test_fp8_weights_on_the_cpu_build_are_refused_before_any_job(tmp_path, capsys, model_dir):

@@ -4,6 +4,7 @@ resumes its rows; a rerun, as the README says, merges every row exactly once."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 
@@ -104,3 +105,51 @@ def test_a_worker_killed_mid_shard_is_taken_over_after_the_lease_and_its_rows_re
         [str(BIN / "shardgen"), "status", "--dir", str(out)], capture_output=True, text=True, check=True
     ).stdout
     assert f"rows: {rows} of {rows} done (100.0%)" in status and "shards: 4 done, 0 running" in status, status
+
+
+def test_an_idle_worker_splits_the_slowest_shard_and_every_row_is_run_once(tmp_path, slurm_cluster):
+    """Shard 0 asks 64 times the output tokens of the others, which the plan cannot see (per row,
+    through input.sampling_column): the worker that ran the light shards asks its holder for the rows
+    it has not read, runs them as a piece of their own, and the merge holds every row once, in order,
+    each run to its own max_tokens."""
+    rows = make_rows(48)
+    # About 90 s of generation for shard 0: the other worker's engine started 36 s after its holder's
+    # in one CI run, when 64 tokens a row left it nothing to split
+    for i, row in enumerate(rows):
+        row["sampling"] = json.dumps({"max_tokens": 128 if i < 16 else 2})
+    write_parquet(tmp_path / "data" / "in.parquet", rows)
+    config = workflow_config(
+        {"parquet": [str(tmp_path / "data" / "in.parquet")], "id_column": "id", "sampling_column": "sampling"},
+        shards={"rows_per_shard": 16, "workers": 2, "lease_seconds": 30, "split_seconds": 3},
+        prompt={"system": "Answer at length.", "template": "Write about {{ topic }}.", "order": "input"},
+        checkpoint={"rows": 2, "seconds": 300},
+        sampling={"temperature": 0.0, "max_tokens": 4, "ignore_eos": True},
+        resources={"mem_mb": 6000, "cpus_per_task": 1, "runtime": 20},
+    )
+    config["model"]["max_num_seqs"] = 1  # a shard's time is its rows' tokens, one row at a time
+    out = tmp_path / "results"
+    run_workflow(tmp_path, config, "slurm", "--retries", "0")
+
+    cuts = sorted(int(p.name.split(".")[1]) for p in (out / "splits").glob("00000.*.cut"))
+    assert cuts and all(0 < c < 16 for c in cuts), sorted(p.name for p in (out / "splits").iterdir())
+    pieces = [f"00000-{c}" for c in cuts]
+    assert sorted(p.stem for p in (out / "shards").glob("*.parquet")) == ["00000", *pieces, "00001", "00002"]
+    bounds = [0, *cuts, 16]
+    for piece, (a, b) in zip(["00000", *pieces], itertools.pairwise(bounds), strict=True):
+        stats = json.loads((out / "shards" / f"{piece}.stats.json").read_text())
+        assert (stats["row_start"], stats["row_stop"], stats["attempt_requests"]) == (a, b, b - a), piece
+    records = [json.loads((out / "shards" / "workers" / f"{w}.json").read_text()) for w in (0, 1)]
+    holder = next(r for r in records if "00000" in r["committed"])
+    thief = next(r for r in records if r is not holder)
+    assert thief["splits_asked"] >= 1 and set(pieces) <= set(thief["committed"]) | set(holder["committed"])
+    assert all(r["engine_starts"] == 1 for r in records), "a piece runs on the worker's running engine"
+
+    table = pq.read_table(out / "output.parquet")
+    assert table.column("id").to_pylist() == [r["id"] for r in rows], "every row exactly once, in order"
+    assert table.column("generated_tokens").to_pylist() == [128] * 16 + [2] * 32, "each row to its own max_tokens"
+    merged = json.loads((out / "stats.json").read_text())
+    assert merged["rows"] == 48 and merged["num_shards"] == 3 + len(pieces)
+    status = subprocess.run(
+        [str(BIN / "shardgen"), "status", "--dir", str(out)], capture_output=True, text=True, check=True
+    ).stdout
+    assert "rows: 48 of 48 done (100.0%)" in status and f"shards: {3 + len(pieces)} done, 0 running" in status, status

@@ -520,6 +520,16 @@ def test_a_config_that_sets_no_new_key_is_not_planned_again():
     assert cfg.plan_digest(cfg.RunConfig.load(ROOT / "config" / "config.yaml").raw, []) == "b1e0423f5ea0aba3"
 
 
+def test_an_openai_batch_planned_for_score_requests_is_planned_again_for_another_task():
+    """A batch of /score or /rerank requests is planned a row per pair, any other a row per line: the
+    same file and shards are another plan (a Parquet input's rows do not depend on the task)."""
+    batch = {"input": {"openai_batch": ["b.jsonl"]}, "shards": {"rows_per_shard": 8}}
+    parquet = {"input": {"parquet": ["p.parquet"]}, "shards": {"rows_per_shard": 8}}
+    assert cfg.plan_digest(batch | {"task": "score"}, []) != cfg.plan_digest(batch | {"task": "embed"}, [])
+    assert cfg.plan_digest(batch | {"task": "embed"}, []) == cfg.plan_digest(batch, [])
+    assert cfg.plan_digest(parquet | {"task": "score"}, []) == cfg.plan_digest(parquet, [])
+
+
 def test_a_thinking_budget_without_a_reasoning_parser_is_refused_naming_both_keys():
     c = minimal() | {"sampling": {"thinking_token_budget": 64}}
     with pytest.raises(ConfigError, match=r"sampling.thinking_token_budget needs sampling.reasoning_parser: vLLM"):

@@ -68,6 +68,6 @@ def test_a_worker_takes_shards_in_the_plans_work_order(tmp_path, monkeypatch):
         shard["estimated_tokens"] = tokens
     run_dir.manifest.write_text(json.dumps(manifest))
     offered = []
-    monkeypatch.setattr(ClaimBoard, "next", lambda self, shard_ids, is_done: offered.append(list(shard_ids)))
+    monkeypatch.setattr(ClaimBoard, "next", lambda self, ids, is_done, steal: offered.append(list(ids())))
     generate.run_worker(config, run_dir.manifest, 0, engine=Engine(llm=object()))
     assert offered == [["00001", "00002", "00000"]]

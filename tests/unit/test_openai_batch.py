@@ -152,7 +152,7 @@ def test_an_embedding_run_gives_openais_embedding_list(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "said"),
     [
-        ({"task": "classify", "model": {**TEST_MODEL_CFG, "runner": "pooling"}}, "for task generate and embed"),
+        ({"task": "classify", "model": {**TEST_MODEL_CFG, "runner": "pooling"}}, "for task generate, embed, score"),
         ({"output": {"format": "openai_batch", "push_to_hub": "me/data"}}, "push_to_hub needs a dataset"),
     ],
 )
@@ -244,7 +244,7 @@ def test_a_request_that_is_not_valid_becomes_that_rows_error_naming_the_field():
     assert row(request(0, url="/v1/responses"))["request_error"].startswith("url: '/v1/responses' is none of")
     embedding = {"custom_id": "e", "url": "/v1/embeddings", "body": {"input": "text", "dimensions": 8}}
     assert row(embedding)["request_error"] == "body.dimensions: not served for embeddings (it would change the result)"
-    chat = RowInputs(url="/v1/chat/completions")
+    chat = RowInputs(urls=("/v1/chat/completions",))
     chat.check(row(request(0)))
     with pytest.raises(RowError, match="invalid_request: url: '/v1/embeddings', but this run serves /v1/chat"):
         chat.check(row({**embedding, "body": {"input": "text"}}))
@@ -290,3 +290,145 @@ def test_a_reasoning_runs_trace_is_the_messages_reasoning_and_its_tokens_the_usa
     assert completion.usage.completion_tokens_details.reasoning_tokens == 2
     assert "reasoning" not in ChatCompletion.model_validate(write(tmp_path / "plain", [sample(0, 0, "a")])[1][0][
         "response"]["body"]).choices[0].message.model_extra  # fmt: skip
+
+
+# -- task score: vLLM's /score and /rerank requests ------------------------------------------------------
+
+
+def score_request(i: int, url: str = "/score", **body) -> dict:
+    return {"custom_id": f"s-{i}", "method": "POST", "url": url, "body": {"model": "bge-reranker", **body}}
+
+
+def score_config(paths: list[str], **extra) -> cfg.RunConfig:
+    return batch_config(paths, **{"task": "score", "model": {**TEST_MODEL_CFG, "runner": "pooling"}, **extra})
+
+
+def test_a_score_or_rerank_request_is_a_row_per_pair_across_blocks_shards_and_files(tmp_path):
+    from shardgen import sources
+    from shardgen.plan import Manifest, build_manifest
+
+    many = [f"doc {j}" for j in range(3 * sources.BATCH_BLOCK // 2)]  # a line of rows over two blocks
+    paths = [batch_file(tmp_path / "a.jsonl", [score_request(0, text_1="q0", text_2=["a", "b"]),
+                                              score_request(1, "/v1/rerank", query="q1", documents=many, top_n=2),
+                                              score_request(2, "/v1/score", queries=["x", "y"], documents=["z", "w"])]),
+             batch_file(tmp_path / "b.jsonl", [score_request(3, "/rerank", query="q3", documents="one"),
+                                              score_request(4, text_1="q4", text_2=[])])]  # fmt: skip
+    config = score_config(paths, shards={"rows_per_shard": 700})
+    prompt = config.prompt
+    assert (prompt.template, prompt.pair_template, prompt.chat) == ("{{ input }}", "{{ pair }}", False)
+    manifest = Manifest(build_manifest(config))
+    assert manifest.data["total_rows"] == 2 + len(many) + 2 + 1 + 1 and manifest.data["source"]["pairs"]
+    source = manifest.source()
+    rows = [r for s in manifest.shards for b in source.read(s.segments, batch_rows=100) for r in b.to_pylist()]
+    pairs = [(r["custom_id"], r["input"], r["pair"], r["pair_index"]) for r in rows]
+    assert pairs == [("s-0", "q0", "a", 0), ("s-0", "q0", "b", 1),
+                     *[("s-1", "q1", d, j) for j, d in enumerate(many)],
+                     ("s-2", "x", "z", 0), ("s-2", "y", "w", 1), ("s-3", "q3", "one", 0),
+                     ("s-4", None, None, None)], "every pair once, in order, from any shard's start"  # fmt: skip
+    assert json.loads(rows[2]["body"]) == {"top_n": 2} and rows[-1]["request_error"] == "body.text_2: at least one text"
+    generate = Manifest(build_manifest(batch_config([paths[0]])))  # a generate run: a row per line, as before
+    assert generate.data["total_rows"] == 3 and "pairs" not in generate.data["source"]
+    assert "firsts" not in generate.data["source"]["files"][0]
+
+
+@pytest.mark.parametrize(
+    ("url", "body", "said"),
+    [
+        ("/score", {"text_1": "q"}, "body.text_2: a score request needs text_1 and text_2"),
+        ("/score", {"documents": ["a"]}, "body.queries: a score request needs queries and documents"),
+        ("/score", {"text_1": ["a", "b", "c"], "text_2": ["x", "y"]}, "body.text_1: 3 texts for 2 in body.text_2"),
+        ("/score", {"text_1": "q", "text_2": ["a", {"content": []}]}, "body.text_2[1]: a string (multimodal"),
+        ("/score", {"text_1": {"content": []}, "text_2": "a"}, "body.text_1: a string or a list of strings"),
+        ("/score", {"text_1": "q", "text_2": "a", "top_n": 1}, "body.top_n: not a field of a score request"),
+        ("/score", {"text_1": "q", "text_2": "a", "max_tokens_per_doc": 8}, "body.max_tokens_per_doc: not served"),
+        ("/v1/rerank", {"query": ["q"], "documents": ["a"]}, "body.query: one string per rerank request"),
+        ("/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "body.top_n: a non-negative integer"),
+        ("/v2/rerank", {"query": "q", "documents": ["a"], "instruction": "x"}, "body.instruction: not served for"),
+        ("/score", "text", "body: a JSON object"),
+    ],
+)
+def test_a_score_or_rerank_request_that_is_not_valid_is_one_row_whose_error_names_the_field(url, body, said):
+    from shardgen.openai_batch import request_rows
+
+    (row,) = request_rows(json.dumps({"custom_id": "c", "url": url, "body": body}).encode(), pairs=True)
+    assert row["request_error"].startswith(said) and row["pair"] is None
+
+
+def test_score_fields_that_change_nothing_or_keep_vllms_default_are_served():
+    from shardgen.openai_batch import request_rows
+
+    body = {"text_1": "q", "text_2": "a", "user": "u", "priority": 0, "max_tokens_per_query": 0,
+            "use_activation": None, "chat_template_kwargs": {}}  # fmt: skip
+    (row,) = request_rows(json.dumps({"custom_id": "c", "url": "/score", "body": body}).encode(), pairs=True)
+    assert row["request_error"] is None and (row["input"], row["pair"]) == ("q", "a")
+
+
+def test_the_score_fields_are_those_of_vllms_score_and_rerank_requests():
+    """Every field vLLM's requests take is a text, ignored, or served at its default: none unnoticed."""
+    from vllm.entrypoints.pooling.scoring import protocol
+
+    from shardgen.openai_batch import RERANK_TEXTS, SCORE_DEFAULTS, SCORE_IGNORED, SCORE_TEXTS
+
+    common = SCORE_IGNORED | set(SCORE_DEFAULTS)
+    forms = [protocol.ScoreQueriesDocumentsRequest, protocol.ScoreQueriesItemsRequest, protocol.ScoreDataRequest,
+             protocol.ScoreTextRequest]  # fmt: skip
+    assert [set(form.model_fields) - common for form in forms] == [set(texts) for texts in SCORE_TEXTS]
+    assert set(protocol.RerankRequest.model_fields) - common == {*RERANK_TEXTS, "top_n"}
+    fields = protocol.RerankRequest.model_fields
+    assert all(fields[k].default in (None, *SCORE_DEFAULTS[k]) for k in SCORE_DEFAULTS), "served at vLLM's default"
+
+
+def test_a_score_run_serves_score_and_rerank_urls_and_refuses_the_others_as_its_rows_errors():
+    from shardgen.errors import RowError
+    from shardgen.feed import RowInputs
+    from shardgen.openai_batch import request_rows, served_urls
+
+    config = score_config(["x.jsonl"])
+    inputs = RowInputs(urls=served_urls(config))
+    assert inputs.urls == ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+    (chat,) = request_rows(json.dumps(request(0)).encode(), pairs=True)
+    with pytest.raises(RowError, match="invalid_request: url: '/v1/chat/completions', but this run serves /score, "):
+        inputs.check(chat)
+    (score,) = request_rows(json.dumps(score_request(0, text_1="a", text_2="b")).encode())  # in a generate run
+    with pytest.raises(RowError, match="url: '/score', but this run serves /v1/chat/completions$"):
+        RowInputs(urls=served_urls(batch_config(["x.jsonl"]))).check(score)
+    for said, extra in [("prompt.pair_template: the requests", {"prompt": {"pair_template": "{{ b }}"}}),
+                        ("input.openai_batch is for task generate, embed, score, not classify",
+                         {"task": "classify"})]:  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            score_config(["x.jsonl"], **extra)
+
+
+def pair(custom_id: str, index: int, url: str, pair_index: int, score: float | None, error: str | None = None,
+         body: str | None = None) -> dict:  # fmt: skip
+    return {"custom_id": custom_id, "url": url, "input": "q", "pair": f"doc {pair_index}", "pair_index": pair_index,
+            "body": body, "row_index": index, "prompt_tokens": 7, "score": score, "error": error}  # fmt: skip
+
+
+def test_a_score_run_gives_vllms_score_and_rerank_responses_a_line_per_request(tmp_path):
+    """Checked with vLLM's own response classes: there are no `openai` types for these."""
+    from vllm.entrypoints.pooling.scoring.protocol import RerankResponse, ScoreResponse
+
+    too_long = "prompt_too_long: the prompt has 600 tokens; max_model_len is 512"
+    top = '{"top_n": 2}'
+    rows = [pair("a", 0, "/score", 0, 0.25), pair("a", 1, "/score", 1, 0.75),
+            pair("b", 2, "/v1/rerank", 0, 0.1, body=top), pair("b", 3, "/v1/rerank", 1, 0.9, body=top),
+            pair("b", 4, "/v1/rerank", 2, 0.5, body=top),
+            pair("c", 5, "/score", 0, 0.5), pair("c", 6, "/score", 1, None, too_long),
+            {**pair("d", 7, "/rerank", 0, None, "invalid_request: body.query: one string per rerank request"),
+             "pair_index": None},
+            pair("e", 8, "/rerank", 0, 0.3), pair("e", 9, "/rerank", 1, 0.3)]  # fmt: skip
+    _, ok, failed = write(tmp_path, rows, {**PROV, "task": "score"}, id_column="custom_id")
+    assert [line["custom_id"] for line in ok] == ["a", "b", "e"]
+    assert [line["custom_id"] for line in failed] == ["c", "d"]
+    score = ScoreResponse.model_validate(ok[0]["response"]["body"])
+    assert [(d.index, d.object, d.score) for d in score.data] == [(0, "score", 0.25), (1, "score", 0.75)]
+    assert (score.usage.prompt_tokens, score.usage.total_tokens, score.model) == (14, 14, "<local>/SmolLM2")
+    rerank = RerankResponse.model_validate(ok[1]["response"]["body"])
+    ranked = [(r.index, r.document.text, r.relevance_score) for r in rerank.results]
+    assert ranked == [(1, "doc 1", 0.9), (2, "doc 2", 0.5)], "the top_n most relevant, most relevant first"
+    assert rerank.usage.prompt_tokens == 21, "every pair's tokens, the ones top_n leaves out too"
+    ties = RerankResponse.model_validate(ok[2]["response"]["body"])
+    assert [r.index for r in ties.results] == [0, 1], "all documents without top_n, ties in their order"
+    assert failed[0]["response"]["body"]["error"]["code"] == "prompt_too_long"
+    assert "body.query" in failed[1]["response"]["body"]["error"]["message"]

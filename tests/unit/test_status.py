@@ -166,3 +166,19 @@ def test_no_eta_without_a_rate():
     now = time.time()
     st = RunStatus(Path("/run"), [ShardState("00000", 10), _running("00001", 10, 0, None, now)], now, 600.0, {})
     assert st.eta() is None and "ETA" not in format_status(st)
+
+
+def test_a_split_shard_counts_each_piece_once_and_a_file_of_other_rows_not_at_all(tmp_path):
+    """Shard 00004 cut at row 450: its pieces 00004 [400, 450) and 00004-450 [450, 500). The piece
+    00004-450 is committed; 00004's file holds [400, 500), committed before the cut: not its rows."""
+    now = time.time()
+    make_run(tmp_path, now)
+    (tmp_path / "splits").mkdir()
+    (tmp_path / "splits" / "00004.450.cut").write_text("{}")
+    for piece, start in (("00004", 400), ("00004-450", 450)):
+        (tmp_path / "shards" / f"{piece}.parquet").write_bytes(b"")
+        stats = {"rows": 500 - start, "row_start": start, "row_stop": 500, "rows_generated": 500 - start}
+        (tmp_path / "shards" / f"{piece}.stats.json").write_text(json.dumps(stats))
+    st = read_status(tmp_path, window_s=600, squeue=False)
+    assert [(s.id, s.state) for s in st.shards][-2:] == [("00004", "pending"), ("00004-450", "done")]
+    assert st.rows_done == 100 + 60 + 5 + 50, "the 50 rows of 00004-450 once"
