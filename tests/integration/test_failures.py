@@ -219,7 +219,9 @@ def test_a_rerun_after_a_killed_controller_waits_for_its_orphan_and_writes_every
     log_file = tmp_path / "results" / "logs" / "generate_shard" / "00000.log"
     rerun = Background(tmp_path, config, "slurm")
     try:
-        rerun.wait_until(lambda: "still holds it; waiting" in log_file.read_text(), 300, "the rerun's job to wait")
+        # Snakemake removes the orphan's log before it submits the rerun's job, which then writes it anew
+        waits = lambda: log_file.exists() and "still holds it; waiting" in log_file.read_text()  # noqa: E731
+        rerun.wait_until(waits, 300, "the rerun's job to wait")
     finally:
         subprocess.run(["scontrol", "resume", orphan], check=True)
     out = rerun.wait()
