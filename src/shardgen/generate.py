@@ -382,6 +382,9 @@ def run_shard(
                 except BaseException as e:
                     job.record_end(e, counters)
                     raise
+                finally:
+                    if job.splitter is not None:  # its splits/ directory, opened once a request is looked for
+                        job.splitter.close()
                 if claim is not None:
                     claim.release()
                 return stats

@@ -230,6 +230,10 @@ class Splitter:
         self.splits.withdraw(self.piece.id)
         return made
 
+    def close(self) -> None:
+        """Close the splits directory this piece's holder opened (a worker runs many pieces)."""
+        self.splits.close()
+
     def stop_now(self) -> int:
         """Where the piece's rows end by the cut files now."""
         return next(p.stop for p in self.splits.pieces(self.shard) if p.id == self.piece.id)

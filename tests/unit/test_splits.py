@@ -3,6 +3,7 @@ it has not read; the pieces of a shard cover its rows exactly once, whoever read
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -141,3 +142,16 @@ def test_once_asked_the_feed_reads_no_row_ahead_to_sort_so_the_next_split_has_ro
     assert stream.floor == floor
     next(requests)
     assert stream.floor == floor + 8, "then one batch at a time"
+
+
+def test_a_holder_closes_the_splits_directory_it_opened_so_a_worker_of_many_pieces_keeps_no_descriptors(tmp_path):
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    for _ in range(20):  # generate.run_shard closes each piece's splitter when the piece ends
+        clock = itertools.count(0, 10).__next__
+        holder = splits.Splitter(splits.Splits(RunDir(tmp_path).splits), SHARD, SHARD, lambda: None, clock)
+        assert not holder.wanted() and holder.splits._dir is not None, "the look opened the directory"
+        holder.close()
+    assert open_fds() == before
