@@ -553,10 +553,11 @@ def run_worker(
         return order + run_splits.new_pieces(manifest) if run_splits else order
 
     def is_done(shard_id: str) -> bool:
-        files = run_dir.shard_file(shard_id), run_dir.shard_stats(shard_id)
-        shard = run_splits.piece(manifest, shard_id) if run_splits else manifest.shard(shard_id)
-        if shard_id not in done and committed(config, manifest, shard, *files):
-            done.add(shard_id)
+        if shard_id not in done:  # a committed shard is not looked at again (nor its cuts listed)
+            files = run_dir.shard_file(shard_id), run_dir.shard_stats(shard_id)
+            shard = run_splits.piece(manifest, shard_id) if run_splits else manifest.shard(shard_id)
+            if committed(config, manifest, shard, *files):
+                done.add(shard_id)
         return shard_id in done
 
     try:
