@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -114,11 +116,28 @@ def test_an_embedding_model_gives_a_fixed_size_normalised_float32_vector_per_row
     assert stats["task"] == "embed" and stats["num_shards"] == 2 and stats["errors"] == 1
 
 
+def flaky_scontrol(bin_dir) -> str:
+    """A PATH whose ``scontrol show config`` fails every other call, as it did in CI under load: the
+    Slurm plugin then queries sacct for that status check, which fails without accounting, and (but
+    for shardgen.statuscheck) loses the run's jobs, so the run waits for ever."""
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'n=$(cat "{bin_dir}/calls" 2>/dev/null || echo 0); echo $((n + 1)) > "{bin_dir}/calls"\n'
+        'if [ "$1 $2" = "show config" ] && [ $((n % 2)) -eq 1 ]; then exit 1; fi\n'
+        f'exec {shutil.which("scontrol")} "$@"\n'
+    )
+    script.chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
 @pytest.mark.slurm
-def test_a_cross_encoder_scores_each_pair_through_slurm(tmp_path, slurm_cluster):
+def test_a_cross_encoder_scores_each_pair_through_slurm(tmp_path, slurm_cluster, monkeypatch):
     """From an OpenAI batch file of vLLM's score and rerank requests (one text with several, N with N,
     a rerank's top_n) to vLLM's score and rerank responses, a line per request (the Parquet output's
-    score column is checked from the shard, which every format is merged from)."""
+    score column is checked from the shard, which every format is merged from). Slurm's status
+    queries fail every other check meanwhile, and the run still sees its job end."""
     from vllm.entrypoints.pooling.scoring.protocol import RerankResponse, ScoreResponse
 
     items = [f"Item {i} is about {TOPICS[i % 8]}." for i in range(6)]
@@ -137,7 +156,9 @@ def test_a_cross_encoder_scores_each_pair_through_slurm(tmp_path, slurm_cluster)
     rows = 6 + 6 + 4 + 3 + 1 + 1  # a row per pair, one per request that is not valid
     config = pooling_run(tmp_path, "score", REWARD, rows, output={"format": "openai_batch"}, errors={"max_rate": 0.2})
     config["input"], _ = {"openai_batch": [str(tmp_path / "data" / "in.jsonl")]}, config.pop("prompt")
-    run_workflow(tmp_path, config, "slurm")
+    monkeypatch.setenv("PATH", flaky_scontrol(tmp_path / "bin"))
+    log = run_workflow(tmp_path, config, "slurm").stderr
+    assert "Falling back to 'sacct'" in log and "status query failed" in log, "a status check failed"
 
     out = tmp_path / "results" / "openai"
     ok, failed = ([json.loads(x) for x in (out / n).read_text().splitlines()] for n in ("output.jsonl", "errors.jsonl"))

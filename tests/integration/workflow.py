@@ -78,13 +78,13 @@ def end_hung(proc: subprocess.Popen, workdir: Path | None, bound: float, output:
             pass
     proc.kill()
     proc.wait()
-    if workdir is not None:  # its Slurm jobs, so that the next test's do not wait behind them
-        ids = [i for i, state in slurm_jobs(workdir).items() if state not in FINAL_STATES]
-        if ids:
-            subprocess.run(["scancel", *ids])
+    jobs = slurm_jobs(workdir) if workdir is not None else {}
+    ids = [i for i, state in jobs.items() if state not in FINAL_STATES]
+    if ids:  # its Slurm jobs, so that the next test's do not wait behind them
+        subprocess.run(["scancel", *ids])
     return AssertionError(
-        f"{' '.join(map(str, proc.args))[:300]} did not end within {bound:.0f} s; the stacks of its processes "
-        f"(py-spy):\n{dump}\n--- its output:\n{output[-5000:]}"
+        f"{' '.join(map(str, proc.args))[:300]} did not end within {bound:.0f} s; its Slurm jobs then: {jobs}; "
+        f"the stacks of its processes (py-spy):\n{dump}\n--- its output:\n{output[-5000:]}"
     )
 
 

@@ -7,6 +7,7 @@ from shardgen.config import RunConfig
 from shardgen.installed import slurm_plugin_problem
 from shardgen.runlock import RunLock
 from shardgen.runstop import RunStop
+from shardgen.statuscheck import keep_unseen_jobs
 
 RUN_STOP = None
 
@@ -26,6 +27,7 @@ def start_steps():
     )
     if workflow.executor_plugin is None or workflow.executor_plugin.name != "slurm":
         return
+    keep_unseen_jobs(workflow.executor_plugin.executor, RUN_STOP.request)
     earlier = cluster.earlier_jobs_warning(RUN_STOP.workdir, RUN_STOP.rules)
     if earlier:
         logger.warning(f"shardgen: warning: {earlier}")
