@@ -83,6 +83,11 @@ class ErrorBudget:
         self.first = first
         self.check()
 
+    def narrow(self, rows: int) -> None:
+        """The shard now holds ``rows`` rows (a split gave the rest away): its limit is of those."""
+        self.rows, self.limit = rows, int(self.max_rate * rows)
+        self.check()
+
     def add(self, index: int, error: str) -> None:
         self.errors += 1
         reason = error_reason(error)

@@ -184,8 +184,8 @@ class ShardJob:
             log.warning(warning)
         renderer = PromptRenderer.from_config(config.prompt)
         splitter = None
-        if run_splits is not None and config.shards.split_seconds > 0 and guard is not None:
-            splitter = splits.Splitter(run_splits, plan_shard, shard, guard)
+        if run_splits is not None and guard is not None:
+            splitter = splits.Splitter(run_splits, plan_shard, shard, guard, answer=config.shards.split_seconds > 0)
         return cls(config, shard, source, renderer, ckpt, done, attempts, attempt, fingerprint, model_record,
                    budget, head, removed_env, splitter)  # fmt: skip
 
@@ -217,6 +217,7 @@ class ShardJob:
         """The shard now ends at ``stop``: the holder split it there (``splits.Splitter.decide``)."""
         self.shard = splits.clip(self.shard, self.shard.start, stop)
         self.ckpt.narrow(stop)
+        self.budget.narrow(self.shard.rows)
 
     def remaining_rows(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """``(index, row)`` of each row not done yet, in input order, streamed from the input."""

@@ -212,9 +212,13 @@ class Dir:
         finally:
             os.close(fd)
 
-    def create_exclusive(self, name: str, data: bytes) -> bool:
+    def create_exclusive(self, name: str, data: bytes, keep: bool = False) -> bool:
         """Create ``name`` holding ``data`` unless it exists: True for the one caller that created it,
-        however many race (``O_EXCL``, atomic on local file systems and on NFSv3 and later)."""
+        however many race (``O_EXCL``, atomic on local file systems and on NFSv3 and later).
+
+        When writing ``data`` fails (a full disk) the error is raised and the file removed (a claim
+        file would read as someone else's; nobody has it then), unless ``keep``: a file whose name is
+        what counts (a cut), which others may have seen already."""
         try:
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW, 0o666, dir_fd=self.fd)
         except FileExistsError:
@@ -224,7 +228,8 @@ class Dir:
             os.fsync(fd)
         except BaseException:
             os.close(fd)
-            self.unlink(name)  # a cut file would read as someone else's; nobody has it then
+            if not keep:
+                self.unlink(name)
             raise
         os.close(fd)
         return True

@@ -209,7 +209,7 @@ def _score_body(rows: list[dict[str, Any]], index: int, model: str, created: int
             "model": model,
             "data": [{"index": i, "object": "score", "score": r["score"]} for i, r in enumerate(rows)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
-                      "prompt_tokens_details": None},
+                      "prompt_tokens_details": None, "completion_tokens_details": None},  # vLLM's UsageInfo
         }  # fmt: skip
     results = [{"index": r["pair_index"], "document": {"text": r["pair"], "multi_modal": None},
                 "relevance_score": r["score"]} for r in rows]  # fmt: skip

@@ -188,8 +188,10 @@ class Splits(LazyDir):
         self.dir.unlink(piece + WANT)
 
     def record_cut(self, piece: Shard, cut: int, record: dict[str, Any]) -> bool:
+        """Make the cut (True; False when it exists). Its name is the cut: a record that could not be
+        written leaves it made, and the error ends the holder's attempt before it reads past it."""
         shard = parent_id(piece.id)
-        return self.dir.create_exclusive(f"{shard}.{cut}.cut", json.dumps(record).encode())
+        return self.dir.create_exclusive(f"{shard}.{cut}.cut", json.dumps(record).encode(), keep=True)
 
 
 class Splitter:
@@ -200,18 +202,21 @@ class Splitter:
         shard: the plan's shard the piece is of.
         piece: the piece as the holder runs it.
         guard: the claim check, before the cut is written (``claims.Claim.check``).
+        answer: whether requests are answered (``shards.split_seconds`` > 0); the piece's end is
+            checked against the cut files at its commit either way (``stop_now``).
     """
 
     def __init__(self, splits: Splits, shard: Shard, piece: Shard, guard: Callable[[], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 answer: bool = True, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.splits, self.shard, self.piece, self.guard, self._clock = splits, shard, piece, guard, clock
+        self.answer = answer
         self._next_look = clock() + POLL_S
         self.cuts: list[int] = []
 
     def wanted(self) -> bool:
         """Whether an idle worker asks for a split (a file system call every ``POLL_S`` at most)."""
         now = self._clock()
-        if now < self._next_look:
+        if not self.answer or now < self._next_look:
             return False
         self._next_look = now + POLL_S
         return self.splits.pending(self.piece.id)
@@ -235,8 +240,12 @@ class Splitter:
         self.splits.close()
 
     def stop_now(self) -> int:
-        """Where the piece's rows end by the cut files now."""
-        return next(p.stop for p in self.splits.pieces(self.shard) if p.id == self.piece.id)
+        """Where the piece's rows end by the cut files now (cut files are never removed, so the piece's
+        start stays a bound: a piece that is gone is a run directory changed under the run)."""
+        stop = next((p.stop for p in self.splits.pieces(self.shard) if p.id == self.piece.id), None)
+        if stop is None:
+            raise ValueError(f"shard {self.shard.id} has no piece {self.piece.id!r} (cuts in {self.splits.path})")
+        return stop
 
 
 class Thief:

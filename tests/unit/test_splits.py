@@ -8,6 +8,8 @@ import os
 import threading
 import time
 
+import pytest
+
 from shardgen import records, splits
 from shardgen.claims import ClaimBoard, Holder
 from shardgen.feed import RowStream
@@ -151,7 +153,47 @@ def test_a_holder_closes_the_splits_directory_it_opened_so_a_worker_of_many_piec
     before = open_fds()
     for _ in range(20):  # generate.run_shard closes each piece's splitter when the piece ends
         clock = itertools.count(0, 10).__next__
-        holder = splits.Splitter(splits.Splits(RunDir(tmp_path).splits), SHARD, SHARD, lambda: None, clock)
+        holder = splits.Splitter(splits.Splits(RunDir(tmp_path).splits), SHARD, SHARD, lambda: None, clock=clock)
         assert not holder.wanted() and holder.splits._dir is not None, "the look opened the directory"
         holder.close()
     assert open_fds() == before
+
+
+def test_a_cut_whose_record_cannot_be_written_stays_made_and_ends_the_holders_attempt(tmp_path, monkeypatch):
+    """The cut file's name is the cut: a worker may have listed it already, so a failed write (a full
+    disk) leaves it, and the holder stops there (its attempt ends; the retry runs the narrowed piece)."""
+    s = splits.Splits(tmp_path / "splits")
+    holder = splits.Splitter(s, SHARD, SHARD, guard=lambda: None, clock=lambda: 10.0)
+    assert s.request(SHARD.id, {"worker": 1})
+
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("shardgen.io.write_all", full)
+    with pytest.raises(OSError, match="No space left"):
+        holder.decide(130)
+    monkeypatch.undo()
+    assert [(p.id, p.start, p.stop) for p in s.pieces(SHARD)] == [("00003", 100, 130), ("00003-130", 130, 160)]
+    assert holder.stop_now() == 130, "the holder's piece ends at the cut by the files"
+
+
+def test_without_split_seconds_a_holder_answers_no_request_but_its_commit_still_sees_the_cuts(tmp_path):
+    s = splits.Splits(tmp_path / "splits")
+    holder = splits.Splitter(s, SHARD, SHARD, guard=lambda: None, answer=False, clock=lambda: 10.0)
+    assert s.request(SHARD.id, {"worker": 1}) and not holder.wanted()
+    s.record_cut(SHARD, 140, {})  # an earlier run's holder of the shard, still running
+    assert holder.stop_now() == 140
+    gone = splits.Splitter(s, SHARD, splits.clip(SHARD, 120, 160), guard=lambda: None)
+    with pytest.raises(ValueError, match="has no piece '00003-120'"):
+        gone.stop_now()
+
+
+def test_the_error_budget_of_a_cut_shard_is_of_its_rows_now():
+    from shardgen.feed import ErrorBudget, TooManyErrors
+
+    budget = ErrorBudget("00003", 60, 0.1)  # 6 errors allowed
+    for i in range(4):
+        budget.add(100 + i, "template: boom")
+    budget.narrow(50)  # 5 allowed
+    with pytest.raises(TooManyErrors, match="4 of its 30 rows"):
+        budget.narrow(30)  # 3 allowed: 4 is too many
