@@ -32,6 +32,14 @@ stays until it is read, so it does not matter where the main thread is:
    shutdown waiting out a long status-check sleep, or the main thread stuck
    in something that does not return) is ended here: its jobs cancelled once
    more, logs flushed, Snakemake's lock released, ``os._exit(1)``.
+
+Ctrl-C (SIGINT) is such a stop too (``stop_on_interrupt``). As a
+``KeyboardInterrupt`` it was lost the same way: seen here, a run interrupted
+just after a job ended went on to its end, the interrupt raised inside a
+coroutine that Snakemake runs with ``asyncio.run`` while it takes in the
+finished job (asyncio turns SIGINT into the task's cancellation there, which
+the code it interrupts may absorb). The handler only starts a thread that
+calls ``request``; a second Ctrl-C is Python's own ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import datetime
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -60,6 +69,11 @@ log = logging.getLogger(__name__)
 GRACE_S = 50.0
 # How often the run's jobs are looked for and cancelled until the scheduler has ended.
 POLL_S = 2.0
+# Why a run stopped by Ctrl-C stopped.
+INTERRUPTED = (
+    "interrupted (SIGINT, Ctrl-C): stopping the run and cancelling its Slurm jobs; what they committed is "
+    "kept, and running the workflow again goes on from there (Ctrl-C again ends Snakemake at once)"
+)
 
 
 class RunStopped(ShardgenError):
@@ -122,6 +136,15 @@ class RunStop:
         self._workflow.scheduler.executor_error_callback(RunStopped(message))
         self.thread = threading.Thread(target=self._enforce, name="shardgen-run-stop", daemon=True)
         self.thread.start()
+
+    def stop_on_interrupt(self) -> None:
+        """Make Ctrl-C (SIGINT) a ``request``, from the main thread (Snakemake's ``onstart``)."""
+
+        def interrupted(signum: int, frame: Any) -> None:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: Python's own
+            threading.Thread(target=self.request, args=(INTERRUPTED,), name="shardgen-interrupt", daemon=True).start()
+
+        signal.signal(signal.SIGINT, interrupted)
 
     def finish(self) -> None:
         """Once the scheduler has returned (``onerror``/``onsuccess``): after a stop, cancel what is left

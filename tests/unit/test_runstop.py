@@ -6,6 +6,8 @@ and Slurm in tests/integration/test_run_stop.py."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from types import SimpleNamespace
@@ -80,3 +82,25 @@ def test_without_a_stop_the_end_cancels_nothing_and_a_new_run_clears_the_old_rec
     assert runstop.read_record(RunDir(tmp_path).stopped) is None
     again.finish()
     assert scheduler.errors == [] and not again.requested
+
+
+def test_ctrl_c_is_a_stop_request_and_a_second_one_is_pythons_own(tmp_path):
+    """SIGINT starts a request on a thread of its own (nothing is raised where the main thread is, so
+    nothing there can absorb it); a second SIGINT raises KeyboardInterrupt as Python's default does."""
+    stop, scheduler, _, exits = make(tmp_path, lambda workdir, rules: [])
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        stop.stop_on_interrupt()
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.time() + 5
+        while not scheduler.errors and time.time() < deadline:
+            time.sleep(0.01)
+        assert [str(e) for e in scheduler.errors] == [runstop.INTERRUPTED]
+        assert runstop.read_record(RunDir(tmp_path).stopped)["reason"] == runstop.INTERRUPTED
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        signal.signal(signal.SIGINT, before)
+        stop.finish()
+    assert exits == []

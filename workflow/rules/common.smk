@@ -75,7 +75,7 @@ BEFORE_GENERATE = {"fetch_model", "plan_shards", "preflight"}
 def start_run():
     """onstart, before the first job: hold output.dir for this run (refused when another run holds
     it); with Slurm, refuse generate jobs no node can run, watch the queue for jobs that would
-    wait for ever, and keep the jobs a failed status check could not see (shardgen.statuscheck)."""
+    wait for ever, keep jobs a failed status check missed, and stop on Ctrl-C."""
     global RUN_LOCK, RUN_STOP, TIME_LIMIT, WATCHER
     RUN_LOCK = RunLock.acquire(RUN_DIR.root, Path.cwd(), RUN.fingerprint)
     RUN_STOP = RunStop(  # clears an earlier run's record of its stop
@@ -88,6 +88,7 @@ def start_run():
     if workflow.executor_plugin is None or workflow.executor_plugin.name != "slurm":
         return
     keep_unseen_jobs(workflow.executor_plugin.executor, RUN_STOP.request)
+    RUN_STOP.stop_on_interrupt()
     earlier = cluster.earlier_jobs_warning(RUN_STOP.workdir, RUN_STOP.rules)
     if earlier:
         logger.warning(f"shardgen: warning: {earlier}")

@@ -28,6 +28,7 @@ def start_steps():
     if workflow.executor_plugin is None or workflow.executor_plugin.name != "slurm":
         return
     keep_unseen_jobs(workflow.executor_plugin.executor, RUN_STOP.request)
+    RUN_STOP.stop_on_interrupt()
     earlier = cluster.earlier_jobs_warning(RUN_STOP.workdir, RUN_STOP.rules)
     if earlier:
         logger.warning(f"shardgen: warning: {earlier}")
