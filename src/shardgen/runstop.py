@@ -34,12 +34,12 @@ stays until it is read, so it does not matter where the main thread is:
    more, logs flushed, Snakemake's lock released, ``os._exit(1)``.
 
 Ctrl-C (SIGINT) is such a stop too (``stop_on_interrupt``). As a
-``KeyboardInterrupt`` it was lost the same way: seen here, a run interrupted
-just after a job ended went on to its end, the interrupt raised inside a
-coroutine that Snakemake runs with ``asyncio.run`` while it takes in the
-finished job (asyncio turns SIGINT into the task's cancellation there, which
-the code it interrupts may absorb). The handler only starts a thread that
-calls ``request``; a second Ctrl-C is Python's own ``KeyboardInterrupt``.
+``KeyboardInterrupt`` it could be lost the same way: seen here, a run
+interrupted just after a job ended went on to its end. Where it landed is
+not known; one such place is a coroutine Snakemake runs with ``asyncio.run``
+(there asyncio turns SIGINT into the task's cancellation, which the code it
+interrupts may absorb). The handler only starts a thread that calls
+``request``; a second Ctrl-C is Python's own ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
