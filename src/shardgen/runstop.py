@@ -39,7 +39,8 @@ interrupted just after a job ended went on to its end. Where it landed is
 not known; one such place is a coroutine Snakemake runs with ``asyncio.run``
 (there asyncio turns SIGINT into the task's cancellation, which the code it
 interrupts may absorb). The handler only starts a thread that calls
-``request``; a second Ctrl-C is Python's own ``KeyboardInterrupt``.
+``request``; a second Ctrl-C ends the controller at once, as step 4 does.
+The handler is the run's only (``finish`` puts the earlier one back).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ POLL_S = 2.0
 # Why a run stopped by Ctrl-C stopped.
 INTERRUPTED = (
     "interrupted (SIGINT, Ctrl-C): stopping the run and cancelling its Slurm jobs; what they committed is "
-    "kept, and running the workflow again goes on from there (Ctrl-C again ends Snakemake at once)"
+    "kept, and running the workflow again goes on from there (Ctrl-C again ends the controller at once)"
 )
 
 
@@ -117,6 +118,7 @@ class RunStop:
         self.cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._ended = threading.Event()  # the scheduler has returned (finish was called)
+        self._sigint: Any = None  # the SIGINT handler before stop_on_interrupt's
         self.thread: threading.Thread | None = None
         if self.record is not None:
             self.record.unlink(missing_ok=True)  # an earlier run's
@@ -138,17 +140,31 @@ class RunStop:
         self.thread.start()
 
     def stop_on_interrupt(self) -> None:
-        """Make Ctrl-C (SIGINT) a ``request``, from the main thread (Snakemake's ``onstart``)."""
+        """Make Ctrl-C (SIGINT) a ``request``, and a second one the end at once; from the main thread
+        (Snakemake's ``onstart``: elsewhere, as when Snakemake runs on a thread, nothing changes)."""
 
         def interrupted(signum: int, frame: Any) -> None:
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: Python's own
-            threading.Thread(target=self.request, args=(INTERRUPTED,), name="shardgen-interrupt", daemon=True).start()
+            if self.requested:
+                target, args = self._end_now, ("Ctrl-C again",)
+            else:
+                target, args = self.request, (INTERRUPTED,)
+            threading.Thread(target=target, args=args, name="shardgen-interrupt", daemon=True).start()
 
-        signal.signal(signal.SIGINT, interrupted)
+        try:
+            previous = signal.signal(signal.SIGINT, interrupted)
+        except ValueError:  # not the main thread
+            return
+        self._sigint = signal.default_int_handler if previous is None else previous
 
     def finish(self) -> None:
         """Once the scheduler has returned (``onerror``/``onsuccess``): after a stop, cancel what is left
         of the run's jobs; nothing can be submitted any more."""
+        if self._sigint is not None:  # a Ctrl-C from now on is no stop of this run's
+            try:
+                signal.signal(signal.SIGINT, self._sigint)
+            except ValueError:
+                pass
+            self._sigint = None
         if self.requested:
             self._cancel_jobs()
             self._write_record()
@@ -162,12 +178,16 @@ class RunStop:
                 return
             if time.monotonic() >= deadline:
                 break
+        self._end_now(f"Snakemake has not ended {self.grace_s:.0f} s after the stop (its Slurm executor can wait "
+                      "up to 3 min between status checks)")  # fmt: skip
+
+    def _end_now(self, why: str) -> None:
+        """Cancel the run's jobs, release Snakemake's lock and end the controller."""
         self._cancel_jobs()
         self._write_record()
         # f-strings: Snakemake's logger, which the controller passes, does not format arguments
         self.log.error(
-            f"shardgen: error: Snakemake has not ended {self.grace_s:.0f} s after the stop (its Slurm executor "
-            f"can wait up to 3 min between status checks); the run's Slurm jobs are cancelled "
+            f"shardgen: error: {why}; the run's Slurm jobs are cancelled "
             f"({', '.join(sorted(self.cancelled)) or 'none'}); ending it now"
         )
         _flush_logs(self.log)

@@ -38,10 +38,13 @@ def keep_unseen_jobs(
     give_up_s: float = GIVE_UP_S,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
-    """Wrap ``executor_cls`` (a remote executor class; once, later calls do nothing) so that its
-    status checks yield back every active job they neither report ended nor yield; ``stop(message)``
-    is called once the checks have lost jobs for ``give_up_s`` in a row."""
-    if executor_cls.__dict__.get("_shardgen_keeps_unseen_jobs"):
+    """Wrap ``executor_cls`` (a remote executor class) so that its status checks yield back every
+    active job they neither report ended nor yield; ``stop(message)`` is called once the checks have
+    lost jobs for ``give_up_s`` in a row. The class is wrapped once; a later call (the next run in
+    the same process) gives the checks its own ``stop``, ``give_up_s`` and ``clock``."""
+    already = "_shardgen_give_up" in executor_cls.__dict__
+    executor_cls._shardgen_give_up = (stop, give_up_s, clock)
+    if already:
         return
     check = executor_cls.check_active_jobs
     success = executor_cls.report_job_success
@@ -68,6 +71,7 @@ def keep_unseen_jobs(
             yielded.add(id(job_info))
             yield job_info
         unseen = [j for j in active_jobs if id(j) not in yielded and id(j) not in ended(self)]
+        stop, give_up_s, clock = executor_cls._shardgen_give_up
         state = self.__dict__.setdefault("_shardgen_failing", {})
         if not unseen:
             state.clear()
@@ -95,4 +99,3 @@ def keep_unseen_jobs(
     executor_cls.check_active_jobs = check_active_jobs
     executor_cls.report_job_success = report_job_success
     executor_cls.report_job_error = report_job_error
-    executor_cls._shardgen_keeps_unseen_jobs = True

@@ -84,23 +84,28 @@ def test_without_a_stop_the_end_cancels_nothing_and_a_new_run_clears_the_old_rec
     assert scheduler.errors == [] and not again.requested
 
 
-def test_ctrl_c_is_a_stop_request_and_a_second_one_is_pythons_own(tmp_path):
+def test_ctrl_c_is_a_stop_request_a_second_one_ends_the_controller_and_the_handler_ends_with_the_run(tmp_path):
     """SIGINT starts a request on a thread of its own (nothing is raised where the main thread is, so
-    nothing there can absorb it); a second SIGINT raises KeyboardInterrupt as Python's default does."""
-    stop, scheduler, _, exits = make(tmp_path, lambda workdir, rules: [])
+    nothing there can absorb it); a second one cancels the jobs and ends the controller at once; once
+    the run has ended (finish), SIGINT is what it was before."""
+    stop, scheduler, unlocked, exits = make(tmp_path, lambda workdir, rules: ["11"], grace_s=600)
     before = signal.getsignal(signal.SIGINT)
+
+    def wait_for(what) -> None:
+        deadline = time.time() + 5
+        while not what() and time.time() < deadline:
+            time.sleep(0.01)
+
     try:
         stop.stop_on_interrupt()
         os.kill(os.getpid(), signal.SIGINT)
-        deadline = time.time() + 5
-        while not scheduler.errors and time.time() < deadline:
-            time.sleep(0.01)
-        assert [str(e) for e in scheduler.errors] == [runstop.INTERRUPTED]
+        wait_for(lambda: scheduler.errors)
+        assert [str(e) for e in scheduler.errors] == [runstop.INTERRUPTED] and exits == []
         assert runstop.read_record(RunDir(tmp_path).stopped)["reason"] == runstop.INTERRUPTED
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)
+        os.kill(os.getpid(), signal.SIGINT)
+        wait_for(lambda: exits)
+        assert exits == [1] and unlocked == [1] and stop.cancelled == {"11"} and len(scheduler.errors) == 1
     finally:
-        signal.signal(signal.SIGINT, before)
         stop.finish()
-    assert exits == []
+        assert signal.getsignal(signal.SIGINT) is before
+        signal.signal(signal.SIGINT, before)

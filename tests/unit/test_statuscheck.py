@@ -145,8 +145,14 @@ def test_queries_failing_past_the_bound_stop_the_run_once_naming_why(tmp_path, m
     assert _check(checker, jobs) == ["85"] and checker.__dict__["_shardgen_failing"] == {}
 
 
-def test_the_guard_wraps_a_class_once(guarded):
-    cls, _, _ = guarded
+def test_the_guard_wraps_a_class_once_and_a_later_run_gets_its_own_stop(tmp_path, monkeypatch, guarded):
+    cls, first, _ = guarded
     wrapped = cls.check_active_jobs
-    keep_unseen_jobs(cls, lambda message: None)
+    second = []
+    keep_unseen_jobs(cls, second.append, give_up_s=0)
     assert cls.check_active_jobs is wrapped
+    _slurm(tmp_path, monkeypatch, scontrol_ok=True, squeue=None)
+    checker = cls()
+    jobs = _jobs("85")
+    assert _check(checker, jobs) == ["85"] and _check(checker, jobs) == ["85"]
+    assert first == [] and len(second) == 1
