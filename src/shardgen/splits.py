@@ -163,7 +163,10 @@ class Splits(LazyDir):
 
     def piece(self, manifest: Manifest, piece: str) -> Shard:
         """A piece's rows now (``InputError`` from the manifest for an unknown shard)."""
-        shard = manifest.shard(parent_id(piece))
+        return self.piece_of(manifest.shard(parent_id(piece)), piece)
+
+    def piece_of(self, shard: Shard, piece: str) -> Shard:
+        """The piece ``piece`` of the plan's ``shard``, its rows now."""
         for p in self.pieces(shard):
             if p.id == piece:
                 return p
@@ -242,10 +245,7 @@ class Splitter:
     def stop_now(self) -> int:
         """Where the piece's rows end by the cut files now (cut files are never removed, so the piece's
         start stays a bound: a piece that is gone is a run directory changed under the run)."""
-        stop = next((p.stop for p in self.splits.pieces(self.shard) if p.id == self.piece.id), None)
-        if stop is None:
-            raise ValueError(f"shard {self.shard.id} has no piece {self.piece.id!r} (cuts in {self.splits.path})")
-        return stop
+        return self.splits.piece_of(self.shard, self.piece.id).stop
 
 
 class Thief:
