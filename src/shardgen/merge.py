@@ -236,7 +236,9 @@ def merge(
     )  # fmt: skip
     stats = run.result()
     if dropped is not None:  # rows the step before did not pass on: not this step's rows
-        stats["rows_not_passed_on"] = dropped[0]
+        # counted as "rows" (input rows); each had its rows_per_input places in the shard files
+        stats["rows_not_passed_on"] = dropped[0] // result_spec(config).rows_per_input
+        stats["output_rows"] -= dropped[0]  # the rows of this step's output
     stats["cost"] = cost.run_cost(stats, config.cost)
     for shard in stats["shards"]:
         shard["cost"] = cost.shard_cost(shard, config.cost)

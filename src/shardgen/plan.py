@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
+
 from shardgen.errors import InputError
 from shardgen.io import atomic_write_text
 from shardgen.sources import Segment, Source, open_source, source_from_manifest
@@ -199,6 +201,10 @@ def check_columns(config: RunConfig, schema: Any, where: str, head: Any = None) 
              "lora.column": config.lora.column}  # fmt: skip
     keyed |= {f"prompt.images[{i}]": c for i, c in enumerate(config.prompt.images)}
     check_input_columns(schema, renderer.columns, keyed, result_spec(config, head).names, prompt_key, where)
+    if config.step and not config.input.step:
+        from shardgen.steps import check_bookkeeping
+
+        check_bookkeeping(schema.names, where)
 
 
 def build_manifest(config: RunConfig) -> dict[str, Any]:
@@ -305,6 +311,6 @@ def write_manifest(config: RunConfig, path: str | Path) -> dict[str, Any]:
         from shardgen.results import result_spec
         from shardgen.steps import check_select
 
-        check_select(config, [*Manifest(manifest).source().schema.names, *result_spec(config).names])
+        check_select(config, pa.schema([*Manifest(manifest).source().schema, *result_spec(config).fields()]))
     atomic_write_text(path, json.dumps(manifest, indent=1) + "\n")
     return manifest

@@ -48,6 +48,22 @@ BOOKKEEPING = ("row_index", "finish_reason", "prompt_tokens", "generated_tokens"
 OUTPUT_KEY = "output.dir"
 
 
+def check_bookkeeping(columns: list[str], where: str) -> None:
+    """The input of a run of steps has none of the steps' bookkeeping columns: a step does not pass
+    them on, and reads the one before's ``dropped`` as why a row was not passed on (a user's values
+    there would drop rows, or fail the next step).
+
+    Raises:
+        InputError: naming the columns and where they are.
+    """
+    if clash := sorted(set(columns) & set(BOOKKEEPING)):
+        raise InputError(
+            f"input: {where} has the column(s) {clash}, which a run of steps keeps for its own bookkeeping (a step "
+            f"passes none of {', '.join(BOOKKEEPING)} on to the next, and '{DROPPED}' says why a row was not); "
+            "rename them in the input"
+        )
+
+
 def step_dir(root: str, name: str) -> str:
     return str(Path(root) / "steps" / name)
 
@@ -166,7 +182,7 @@ def dropped_reasons(table: pa.Table, step: str, select: Mapping[str, Any] | None
     if kind == "keep_if":
         import jinja2
 
-        from shardgen.sandbox import RenderBudget
+        from shardgen.sandbox import RenderBudget, TemplateTimeout
 
         test = keep_if(spec)
         rows = table.to_pylist()
@@ -178,6 +194,9 @@ def dropped_reasons(table: pa.Table, step: str, select: Mapping[str, Any] | None
                             ok = test(**row)
                         except (jinja2.TemplateError, TypeError, ValueError, ArithmeticError) as e:
                             ok, reasons[i] = False, f"step {step}: keep_if {spec} failed: {type(e).__name__}: {e}"
+                        except TemplateTimeout:  # the alarm's (a BaseException): that row's too
+                            ok = False
+                            reasons[i] = f"step {step}: keep_if {spec} failed: it took more than {budget.seconds:g} s"
                     if not ok and reasons[i] is None:
                         reasons[i] = f"step {step}: keep_if {spec} is false"
         return reasons
@@ -191,8 +210,9 @@ def dropped_reasons(table: pa.Table, step: str, select: Mapping[str, Any] | None
     return reasons
 
 
-def check_select(config: RunConfig, columns: list[str]) -> None:
-    """The columns a step's ``select`` reads are among those of its rows (checked when it plans).
+def check_select(config: RunConfig, schema: pa.Schema) -> None:
+    """The columns a step's ``select`` reads are among those of its rows (``schema``), and the one
+    ``best_of``/``pairs`` compare by is a number (checked when it plans, before its GPU work).
 
     Raises:
         InputError: naming the step, the key and the columns.
@@ -209,10 +229,15 @@ def check_select(config: RunConfig, columns: list[str]) -> None:
         used = jinja2.meta.find_undeclared_variables(BoundedSandbox().parse("{{ " + spec + " }}"))
     else:
         used = {spec["by"]}
-    if missing := sorted(used - set(columns)):
+    if missing := sorted(used - set(schema.names)):
         raise InputError(
             f"steps: {config.step['name']}.select.{kind} reads {missing}, which the step's rows do not have "
-            f"(they have: {', '.join(columns)})"
+            f"(they have: {', '.join(schema.names)})"
+        )
+    if kind != "keep_if" and not _numeric(schema.field(spec["by"]).type):
+        raise InputError(
+            f"steps: {config.step['name']}.select.{kind}.by: '{spec['by']}' is a column of "
+            f"{schema.field(spec['by']).type}, not a number; {kind} compares numbers"
         )
 
 
@@ -225,9 +250,13 @@ def by_column(table: pa.Table, column: str, step: str) -> np.ndarray:
     if column not in table.column_names:
         raise InputError(f"step {step}: select by '{column}': no such column (there are {table.column_names})")
     col = table.column(column)
-    if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type)):
+    if not _numeric(col.type):
         raise InputError(f"step {step}: select by '{column}': a column of {col.type}, not a number")
     return pc.cast(col, pa.float64()).fill_null(float("nan")).to_numpy(zero_copy_only=False)
+
+
+def _numeric(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
 
 
 def best_in_groups(groups: np.ndarray, values: np.ndarray, reasons: list[str | None], lowest: bool) -> dict[int, int]:
@@ -258,9 +287,16 @@ def selected(table: pa.Table, step: str, select: Mapping[str, Any] | None, group
     ends = best_in_groups(table.column("row_index").to_numpy() // group, values, reasons, spec.get("lowest", False))
     chosen = pa.array(sorted(i for i, j in ends.items() if i != j), pa.int64())
     rejected = pa.array([ends[i] for i in chosen.to_pylist()], pa.int64())
-    pairs = pa.table({"chosen": table.take(chosen).to_struct_array(),
-                      "rejected": table.take(rejected).to_struct_array()})  # fmt: skip
+    pairs = pa.table([table.take(chosen).to_struct_array(), table.take(rejected).to_struct_array()],
+                     schema=pairs_schema(table.schema))  # fmt: skip
     return pairs, table.num_rows - 2 * len(chosen)
+
+
+def pairs_schema(schema: pa.Schema) -> pa.Schema:
+    """The output of ``select.pairs`` over rows of ``schema``: a row per pair, the ``chosen`` and the
+    ``rejected`` row (an output with no pair has it too)."""
+    row = pa.struct(list(schema.remove_metadata()))
+    return pa.schema([("chosen", row), ("rejected", row)])
 
 
 # -- A step's input: the step before it --------------------------------------------------------------
@@ -274,6 +310,12 @@ def passed_columns(schema: pa.Schema, own: list[str], before: str) -> tuple[pa.S
     for f in schema:
         if f.name not in BOOKKEEPING:
             name = f"{before}_{f.name}" if f.name in own else f.name
+            if name in names or name == DROPPED:
+                raise InputError(
+                    f"step {before}: its rows have the columns '{name}' and '{f.name}', which the next step would "
+                    f"both read as '{name}' (it writes '{f.name}' too, so it reads the earlier one renamed); rename "
+                    f"'{name}' in the input"
+                )
             fields.append(f.with_name(name))
             names[name] = f.name
     return pa.schema([*fields, pa.field(DROPPED, pa.string())]), names
@@ -444,7 +486,8 @@ def finish(config: Mapping[str, Any], output: str | Path, stats_path: str | Path
             yield from ((rows.schema, b) for b in rows.to_batches())
 
     def empty() -> pa.Schema:
-        return pq.read_schema(run_dir.merged("parquet")).remove_metadata()
+        schema = pq.read_schema(run_dir.merged("parquet")).remove_metadata()
+        return pairs_schema(schema) if last["select"] and "pairs" in last["select"] else schema
 
     fmt = config["output"].get("format", "parquet")
     prov = {
@@ -510,19 +553,23 @@ def timing(steps: list[dict[str, Any]], shards: list[str]) -> list[dict[str, flo
 def chain_stats(
     steps: list[dict[str, Any]], done: list[dict[str, Any]], rows_out: int, shards: list[str] | None = None
 ) -> dict[str, Any]:
-    """Each step's figures (rows in, passed on and out of its select, tokens, GPU-hours, cost, when it
-    ran against the step before: ``timing``) and the chain's totals."""
+    """Each step's figures, when it ran against the step before (``timing``), and the chain's totals.
+
+    A step's ``rows`` are the input rows it ran (those the step before passed on to it), of which
+    ``errors`` had an error (a row once, as ``stats.error_reasons`` counts); ``output_rows`` the rows
+    it wrote for them (``rows`` times its samples), of which ``rows_passed_on`` went on to the next
+    step (its ``rows``), or, for the last step, are the run's output rows (after its ``select``;
+    ``pairs``: a row per pair). Each step's merge counts ``rows_not_passed_on`` in its input rows
+    (``merge.merge``).
+    """
     per_step = []
     times = timing(steps, shards) if shards else [{}] * len(steps)
+    got = [s["rows"] - s.get("rows_not_passed_on", 0) for s in done]  # the input rows each step ran
     for i, (c, s) in enumerate(zip(steps, done, strict=True)):
-        rows = s["rows"] - s.get("rows_not_passed_on", 0)
-        passed = None
-        if i + 1 < len(done):  # what the next step got
-            passed = done[i + 1]["rows"] - done[i + 1].get("rows_not_passed_on", 0)
         per_step.append({
             "name": c["step"]["name"], "task": c["task"], "model": s.get("provenance", {}).get("model"),
-            "rows": rows, "errors": s.get("errors", 0),
-            "rows_passed_on": rows_out if passed is None else passed,
+            "rows": got[i], "output_rows": s["output_rows"], "errors": s.get("errors", 0),
+            "rows_passed_on": got[i + 1] if i + 1 < len(done) else rows_out,
             "select": c["step"]["select"],
             **{k: s.get(k) for k in ("prompt_tokens", "generated_tokens", "gpu_hours", "billed_gpu_hours",
                                      "output_tokens_per_s", "ttft_p50_s", "wall_seconds")},
@@ -547,7 +594,8 @@ def summary_text(stats: Mapping[str, Any]) -> str:
     for s in stats["steps"]:
         tokens = f"{s['prompt_tokens'] or 0:,} prompt + {s['generated_tokens'] or 0:,} generated tokens"
         lines.append(f"step {s['name']:<12} {s['task']:<9} {s['rows']:,} rows ({s['errors']} errors) -> "
-                     f"{s['rows_passed_on']:,} passed on; {tokens}; {s['gpu_hours'] or 0:.4f} GPU-hours")  # fmt: skip
+                     f"{s['output_rows']:,} output rows -> {s['rows_passed_on']:,} passed on; {tokens}; "
+                     f"{s['gpu_hours'] or 0:.4f} GPU-hours")  # fmt: skip
         if s.get("overlap_with_step_before_s") is not None:
             lines[-1] += f"; ran {s['overlap_with_step_before_s']:,.0f} s alongside the step before"
     lines.append(f"run              {stats['input_rows']:,} input rows -> {stats['output_rows']:,} output rows; "

@@ -172,11 +172,13 @@ def find_credentials(node: Any, path: tuple[str, ...] = ()) -> list[str]:
 
 
 def check_credentials(config: dict[str, Any]) -> None:
-    """Refuse a config that holds a credential anywhere (before any message could quote a value).
+    """Refuse a config that holds a credential anywhere (before any message could quote a value), or
+    that is too large to walk (``check_size``).
 
     Raises:
         ConfigError: naming the key path of the first one.
     """
+    check_size(config)  # the walk below visits every value an alias repeats
     found = find_credentials(config)
     if found:
         raise ConfigError(found[0] + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""))

@@ -527,3 +527,71 @@ def test_a_run_directory_written_by_the_real_writers_reads_back_alike_in_status_
     assert stats["cost"]["total"] == pytest.approx(3.0 * stats["billed_gpu_hours"])
     make_plots(run_dir.stats, out, run_dir.plots)
     assert "GPU-hours billed at 3 USD each" in (run_dir.plots / "totals.html").read_text()
+
+
+def test_a_chain_whose_first_step_drops_rows_and_second_samples_several_counts_each_figure_once(tmp_path, engine):
+    """Two generate steps on the session engine, run by the real writers (plan, shard jobs, merge,
+    the select): the draft samples 2 per row, one row is an error and its keep_if passes on sample 0
+    only; the rewrite samples 3 per row it gets. Every figure of stats.json and of the summary is in
+    one unit: a step's ``rows`` are the input rows it ran, ``output_rows`` what it wrote for them,
+    ``rows_passed_on`` the next step's ``rows`` (they were "3 rows -> -1 passed on"). A last select
+    of pairs that finds no pair writes the chosen/rejected columns still."""
+    from shardgen import config as cfg
+    from shardgen import steps
+    from shardgen.generate import run_shards
+    from shardgen.merge import merge
+    from shardgen.plan import Manifest
+
+    rows = make_rows(4)
+    rows[1]["topic"] = None  # a row error of the draft: both its samples
+    data = write_parquet(tmp_path / "in.parquet", rows)
+    raw = base_config(
+        {"parquet": [str(data)]},
+        output={"dir": str(tmp_path / "out")},
+        shards={"rows_per_shard": 2},
+        errors={"max_rate": 0.5},
+    ).raw
+    raw.pop("sampling")
+    raw["steps"] = [
+        {"name": "draft", "sampling": {"n": 2, "seed": 3, "temperature": 1.0, "max_tokens": 4},
+         "select": {"keep_if": "sample_index == 0"}},
+        {"name": "rewrite", "prompt": {"template": "Shorter: {{ draft_generation }}"},
+         "sampling": {"n": 3, "seed": 5, "temperature": 1.0, "max_tokens": 4},
+         "select": {"keep_if": "sample_index < 2"}},
+    ]  # fmt: skip
+    raw = cfg.validate(raw)
+
+    def run_steps(raw):
+        for c in steps.step_configs(raw):
+            cfg.write_resolved(c, c["output"]["dir"])
+            run, run_dir = cfg.RunConfig.from_dict(c), RunDir(c["output"]["dir"])
+            if not run_dir.manifest.exists():
+                write_manifest(run, run_dir.manifest)
+                run_shards(run, run_dir.manifest, [s.id for s in Manifest.load(run_dir.manifest).shards], engine=engine)
+                merge(run, run_dir.manifest, run_dir.merged("parquet"), run_dir.stats)
+        return steps.finish(raw, tmp_path / "out" / "output.parquet", tmp_path / "out" / "stats.json")
+
+    stats = run_steps(raw)
+    draft, rewrite = stats["steps"]
+    figures = ("rows", "output_rows", "errors", "rows_passed_on")
+    assert [draft[k] for k in figures] == [4, 8, 1, 3], "4 rows, 2 samples each; row 1 an error; sample 0 of 3"
+    assert [rewrite[k] for k in figures] == [3, 9, 0, 6], "3 rows, 3 samples each, samples 0 and 1 kept"
+    assert (stats["input_rows"], stats["output_rows"]) == (4, 6)
+    saved = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert [[s[k] for k in figures] for s in saved["steps"]] == [[4, 8, 1, 3], [3, 9, 0, 6]]
+    summary = steps.summary_text(saved)
+    assert "4 rows (1 errors) -> 8 output rows -> 3 passed on" in summary
+    assert "3 rows (0 errors) -> 9 output rows -> 6 passed on" in summary
+    assert "4 input rows -> 6 output rows" in summary
+    output = pq.read_table(tmp_path / "out" / "output.parquet").to_pylist()
+    assert sorted((r["id"], r["draft_sample_index"], r["sample_index"]) for r in output) == [
+        (rows[i]["id"], 0, s) for i in (0, 2, 3) for s in (0, 1)
+    ]
+
+    # the same steps, the last select pairs by a column all samples of a row share: no pair at all
+    raw["steps"][1]["select"] = {"pairs": {"by": "prompt_tokens"}}
+    stats = run_steps(cfg.validate(raw))
+    table = pq.read_table(tmp_path / "out" / "output.parquet")
+    assert table.num_rows == 0 and table.column_names == ["chosen", "rejected"]
+    assert "draft_generation" in [f.name for f in table.schema.field("chosen").type]
+    assert stats["output_rows"] == 0 and stats["steps"][1]["rows_passed_on"] == 0

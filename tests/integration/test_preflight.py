@@ -306,3 +306,25 @@ def test_a_reasoning_parser_the_model_cannot_use_is_refused_before_any_job(
 ):
     rc, err = preflight(tmp_path, capsys, sampling={"temperature": 0.0, "max_tokens": 12, **sampling})
     assert rc == 2 and problem in err, err
+
+
+def test_a_yaml_alias_bomb_given_to_snakemake_is_refused_at_once(tmp_path):
+    """Snakemake loads ``--configfile`` itself and hands the Snakefile the aliased structure: the
+    Snakefile's first walk of it (the credential scan) is bounded too, so the bomb is refused at once
+    instead of walked for hours (43 million values here)."""
+    import time
+
+    from tests.integration.workflow import snakemake_command
+    from tests.unit.test_config import ALIAS_BOMB
+
+    data = write_parquet(tmp_path / "in.parquet", make_rows(4))
+    configfile = tmp_path / "bomb.yaml"
+    configfile.write_text(f"input: {{parquet: [{data}]}}\nmodel: {{model: m}}\n{ALIAS_BOMB}")
+    cmd, env = snakemake_command(tmp_path, configfile, "-n", "--cores", "1")
+    started = time.monotonic()
+    r = run_bounded(cmd, 120, tmp_path, cwd=tmp_path, env=env)
+    took = time.monotonic() - started
+    assert r.returncode != 0
+    assert "the config holds more than 100,000 values once its YAML aliases" in r.stdout + r.stderr, r.stderr[-3000:]
+    # Snakemake's own start is most of it (the refusal: milliseconds, tests/unit/test_config.py)
+    assert took < 60, f"{took:.0f} s"

@@ -122,8 +122,73 @@ def test_pairs_and_keep_if(chain):
     run = cfg.RunConfig.from_dict(steps.step_configs({**chain, "steps": [
         chain["steps"][0], {**chain["steps"][1], "select": {"keep_if": "score > 1 and reward > 0"}}]})[1])  # fmt: skip
     with pytest.raises(InputError, match=r"judge.select.keep_if reads \['score'\], which the step's rows do not"):
-        steps.check_select(run, ["topic", "reward"])
-    steps.check_select(run, ["topic", "reward", "score"])
+        steps.check_select(run, pa.schema([("topic", pa.string()), ("reward", pa.float32())]))
+    steps.check_select(run, pa.schema([("topic", pa.string()), ("reward", pa.float32()), ("score", pa.int64())]))
+
+
+def test_a_best_of_or_pairs_by_a_column_that_is_not_a_number_is_refused_when_the_step_plans(chain, tmp_path):
+    """Found by the judge's plan (``plan.write_manifest``), before any of its GPU work."""
+    from shardgen.plan import write_manifest
+
+    for kind in ("best_of", "pairs"):
+        chained = copy.deepcopy(chain)
+        chained["steps"][1]["select"] = {kind: {"by": "topic"}}
+        draft, judge = (cfg.RunConfig.from_dict(c) for c in steps.step_configs(cfg.validate(chained)))
+        cfg.write_resolved(draft.raw, draft.output.dir)
+        write_manifest(draft, tmp_path / "out" / "steps" / "draft" / "plan" / "manifest.json")
+        with pytest.raises(InputError, match=rf"judge.select.{kind}.by: 'topic' is a column of string, not a number"):
+            write_manifest(judge, tmp_path / "judge.json")
+    steps.check_select(judge, pa.schema([("topic", pa.bool_())]))
+
+
+def test_a_slow_keep_if_drops_that_row_with_its_reason_and_the_others_are_judged(monkeypatch):
+    """The alarm's ``TemplateTimeout`` (a BaseException, so that Jinja's own handlers cannot swallow it)
+    is that row's reason, as a value keep_if cannot take is: the select goes on."""
+    from shardgen import sandbox
+
+    monkeypatch.setattr(sandbox, "RENDER_SECONDS", 0.2)
+    table = _judged([0.9, 0.9, 0.1, 0.9]).append_column("slow", pa.array([0, 1, 0, 0]))
+    slow = "reward > 0.4 and (slow == 0 or (range(10**6) | list | sort | map('string') | join | length) > 0)"
+    reasons = steps.dropped_reasons(table, "judge", {"keep_if": slow}, 4)
+    assert reasons[0] is None and reasons[3] is None and "is false" in reasons[2]
+    assert reasons[1] == f"step judge: keep_if {slow} failed: it took more than 0.2 s"
+
+
+def test_a_pairs_select_without_any_pair_writes_the_chosen_and_rejected_columns():
+    table = _judged([1.0, 1.0, 1.0, 1.0])  # every sample ties: no pair
+    pairs, dropped = steps.selected(table, "judge", {"pairs": {"by": "reward"}}, 4)
+    assert pairs.num_rows == 0 and dropped == 4
+    assert pairs.schema == steps.pairs_schema(table.schema)
+    assert pairs.schema.field("chosen").type == pa.struct(list(table.schema))
+
+
+def test_an_input_column_named_like_the_steps_bookkeeping_is_refused_when_the_first_step_plans(chain, tmp_path):
+    """A user's ``dropped`` would be read as why rows were not passed on (and its rows left out); a
+    user's ``reasoning_tokens`` (a bookkeeping column of a reasoning step) would not be passed on."""
+    import pyarrow.parquet as pq
+
+    from shardgen.plan import write_manifest
+
+    for column in ("dropped", "reasoning_tokens"):
+        path = tmp_path / f"{column}.parquet"
+        pq.write_table(pa.table({"topic": ["owls"], column: ["mine"]}), path)
+        chained = copy.deepcopy(chain) | {"input": {"parquet": [str(path)]}}
+        draft = cfg.RunConfig.from_dict(steps.step_configs(cfg.validate(chained))[0])
+        with pytest.raises(InputError, match=rf"has the column\(s\) \['{column}'\], which a run of steps keeps"):
+            write_manifest(draft, tmp_path / "m.json")
+        # a run of one step too, whose output would keep only the rows with a null `dropped`
+        alone = copy.deepcopy(chained) | {"steps": chained["steps"][:1]}
+        with pytest.raises(InputError, match=rf"\['{column}'\], which a run of steps keeps"):
+            write_manifest(cfg.RunConfig.from_dict(steps.step_configs(cfg.validate(alone))[0]), tmp_path / "m.json")
+    # not in a run without steps, where it is a column like any other
+    plain = {k: v for k, v in chained.items() if k != "steps"} | {"prompt": {"template": "{{ topic }}"}}
+    write_manifest(cfg.RunConfig.from_dict(cfg.validate(plain)), tmp_path / "m.json")
+
+
+def test_a_column_renamed_for_the_next_step_must_not_meet_one_of_the_same_name():
+    written = pa.schema([("draft_generation", pa.string()), ("row_index", pa.int64()), ("generation", pa.string())])
+    with pytest.raises(InputError, match="'draft_generation' and 'generation', which the next step would both read"):
+        steps.passed_columns(written, ["generation"], "draft")
 
 
 def test_the_next_step_reads_content_columns_renamed_where_it_writes_them_too():
