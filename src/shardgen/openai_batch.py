@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -303,60 +304,182 @@ def scan_line(line: bytes, path: str, lineno: int, pairs: bool = False) -> tuple
     """A request line's ``custom_id``, ``body.model`` and rows (``request_rows``), read when planning.
 
     Raises:
-        InputError: the line is not a JSON object with a string ``custom_id``, naming the file and line.
+        InputError: the line is not a JSON object with a string ``custom_id`` (valid Unicode), or nests
+            deeper than ``MAX_DEPTH``, naming the file and line.
     """
     from shardgen.errors import InputError
 
+    where = f"input: '{path}', line {lineno}"
     try:
         request = json.loads(line)
-    except ValueError as e:
-        raise InputError(f"input: '{path}', line {lineno}: not JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than Python's json reads
+        raise InputError(f"{where}: not JSON ({e})") from None
+    # a job reads the line again with a deeper stack: one that nests near Python's limit could fail there
+    # (the counts, a few microseconds a 4 KB line, spare the walk of every request's values)
+    if line.count(b"[") + line.count(b"{") > MAX_DEPTH and _depth(request) > MAX_DEPTH:
+        raise InputError(f"{where}: not JSON shardgen reads (nested deeper than {MAX_DEPTH} levels)")
     if not isinstance(request, dict) or not isinstance(request.get("custom_id"), str) or not request["custom_id"]:
-        raise InputError(f"input: '{path}', line {lineno}: a request needs a custom_id (a non-empty string)")
+        raise InputError(f"{where}: a request needs a custom_id (a non-empty string)")
+    custom = request["custom_id"]
+    if (at := _lone_surrogate(custom)) is not None:  # an id no output can hold (escaped by repr)
+        raise InputError(
+            f"{where}: the custom_id {custom!r} is not valid Unicode text (a lone surrogate at character {at}: "
+            "a truncated emoji?)"
+        )
     body = request.get("body")
     model = body.get("model") if isinstance(body, dict) else None
-    return request["custom_id"], model if isinstance(model, str) else None, _rows(request, pairs)
+    # a model that is not text is the row's error (request_row), not a name to record
+    model = model if isinstance(model, str) and _lone_surrogate(model) is None else None
+    return custom, model, _rows(request, line, pairs)
 
 
-def _rows(request: dict[str, Any], pairs: bool) -> int:
+def _rows(request: dict[str, Any], line: bytes, pairs: bool) -> int:
+    """The rows ``request_rows`` makes of the request: it decides the same way, from the parsed line."""
     if not pairs or request.get("url") not in SCORE + RERANK:
         return 1
     try:
-        return len(score_pairs(request["url"], request.get("body"))[0])
+        return len(_score_request(request, line)[0])
     except ValueError:
         return 1  # the row of the request's error
+
+
+# How deeply a request may nest (its JSON arrays and objects): far deeper than a request has reason to,
+# and far enough from Python's recursion limit (1,000) that a job's stack reads what planning read.
+MAX_DEPTH = 200
+
+
+def _depth(value: Any) -> int:
+    """How deeply arrays and objects nest in a JSON value (iteratively: any depth)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
+def _lone_surrogate(text: str) -> int | None:
+    """Where the first lone surrogate of the text is (a truncated emoji: JSON escapes hold one, UTF-8,
+    and so Arrow and the output files, cannot), None where there is none."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+# An escape of a surrogate (\ud800 to \udfff; or an escaped backslash before such text, which the
+# search of the values then clears)
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _not_unicode(request: dict[str, Any], line: bytes) -> str | None:
+    """The error naming the first field (in the line's order) of the request (parsed from ``line``)
+    whose value or name is not valid Unicode text, None where every string is."""
+    # a lone surrogate needs an escape of one, bytes that are not UTF-8 (Python's json reads a
+    # surrogate's own three bytes) or another encoding (UTF-16 and 32 have NUL bytes): a search of the
+    # line, a microsecond, rules them out for almost every line
+    if b"\x00" not in line and not SURROGATE_ESCAPE.search(line):
+        try:
+            line.decode("utf-8")
+            return None
+        except UnicodeDecodeError:
+            pass
+    try:
+        json.dumps(request, ensure_ascii=False).encode("utf-8")  # an emoji's escaped pair: at C speed
+        return None
+    except UnicodeEncodeError:
+        pass
+    stack: list[tuple[Any, str]] = [(request, "")]
+    while stack:
+        value, at = stack.pop()
+        if isinstance(value, str):
+            if (i := _lone_surrogate(value)) is not None:
+                return f"{at}: not valid Unicode text (a lone surrogate, {value[i]!r}, at character {i})"
+        elif isinstance(value, dict):
+            for key in value:
+                if (i := _lone_surrogate(key)) is not None:
+                    where = f"{at}[{key!r}]"  # repr: escaped
+                    return (
+                        f"{where}: not valid Unicode text (a lone surrogate, {key[i]!r}, at character {i} of the name)"
+                    )
+            stack.extend((v, f"{at}.{k}" if at else k) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in reversed(list(enumerate(value))))
+    return None
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's kind, for an error message (the value itself may be large)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
 
 
 def request_row(line: bytes) -> dict[str, Any]:
     """The row of one request line (``sources.BATCH_SCHEMA``): its custom id and url, the chat
     ``messages`` (text parts joined) or the text ``input`` (``input``, or a completion's ``prompt``),
     the sampling fields of its body as JSON (``body``), and what makes it invalid
-    (``request_error``, naming the field), which makes it the row's error."""
+    (``request_error``, naming the field), which makes it the row's error.
+
+    Whatever JSON a planned line holds (``scan_line``), the row is one Arrow holds: a field that is not
+    text where text is read, or a string that is not valid Unicode (a lone surrogate) anywhere, is the
+    row's error, and its columns are null."""
     request = json.loads(line)
     body = request.get("body")
-    row = {"custom_id": request["custom_id"], "url": request.get("url"), "messages": None, "input": None,
-           "body": None, "request_error": None}  # fmt: skip
+    row = {"custom_id": request["custom_id"], "url": None, "messages": None, "input": None, "body": None,
+           "request_error": None}  # fmt: skip
     try:
+        if (error := _not_unicode(request, line)) is not None:
+            raise ValueError(error)
+        url = request.get("url")
+        if not isinstance(url, str):
+            raise ValueError(f"url: a string (one of {', '.join(ALL_URLS)}), not {_kind(url)}")
+        row["url"] = url
         if not isinstance(body, dict):
             raise ValueError("body: a JSON object")
-        if row["url"] in SCORE + RERANK:
+        if url in SCORE + RERANK:
             return row  # another task's request (a score run reads it with request_rows): RowInputs refuses it
-        if row["url"] == CHAT:
+        if url == CHAT:
             row["messages"] = _messages(body.get("messages"))
-        elif row["url"] in (COMPLETIONS, EMBEDDINGS):
-            key = "prompt" if row["url"] == COMPLETIONS else "input"
+        elif url in (COMPLETIONS, EMBEDDINGS):
+            key = "prompt" if url == COMPLETIONS else "input"
             if not isinstance(body.get(key), str):
                 raise ValueError(f"body.{key}: one string per request")
             row["input"] = body[key]
         else:
-            raise ValueError(f"url: {row['url']!r} is none of {', '.join(ALL_URLS)}")
+            raise ValueError(f"url: {url!r} is none of {', '.join(ALL_URLS)}")
         rest = {k: v for k, v in body.items() if k not in CONTENT_FIELDS}
-        if row["url"] == EMBEDDINGS and (changes := sorted(set(rest) - EMBEDDING_IGNORED)):
+        if url == EMBEDDINGS and (changes := sorted(set(rest) - EMBEDDING_IGNORED)):
             raise ValueError(f"body.{changes[0]}: not served for embeddings (it would change the result)")
-        row["body"] = json.dumps(rest) if rest and row["url"] != EMBEDDINGS else None
+        if url == CHAT and rest.get("max_completion_tokens") is not None and "max_tokens" in rest:
+            # vLLM's server takes max_completion_tokens over max_tokens, in whatever order the body has
+            # them, as OpenAI does (OpenAIServingChat._create_chat_completion, vllm/entrypoints/openai/
+            # chat_completion/serving.py); its ChatCompletionRequest still checks max_tokens
+            given = rest.pop("max_tokens")
+            if given is not None and (not isinstance(given, int) or isinstance(given, bool)):
+                raise ValueError(f"body.max_tokens: an integer or null, not {_kind(given)}")
+        if url == COMPLETIONS and rest.get("max_completion_tokens") is not None:
+            # not a field of vLLM's CompletionRequest (vllm/entrypoints/openai/completion/protocol.py), whose
+            # server ignores it: the row's error, not a limit vLLM would not set
+            raise ValueError("body.max_completion_tokens: not a field of a completion request (max_tokens is)")
+        row["body"] = json.dumps(rest) if rest and url != EMBEDDINGS else None
     except ValueError as e:
         row["request_error"] = str(e)
     return row
+
+
+# The message fields beside role and content that vLLM's server gives the chat template
+# (vllm/renderers/chat_utils.py, _parse_chat_message_content: name and task, an assistant's tool_calls
+# and reasoning, a tool message's tool_call_id, a developer's tools), which a row's message (a role and
+# a content: sources.BATCH_SCHEMA) does not carry: one that is set is the row's error (null: absent, as
+# vLLM has it). vLLM drops the others, as shardgen does.
+TEMPLATE_FIELDS = ("name", "task", "tool_calls", "reasoning", "tool_call_id", "tools")
 
 
 def _messages(value: Any) -> list[dict[str, str]]:
@@ -368,9 +491,20 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise ValueError(f"body.messages[{i}].content: only text parts are served")
-            content = "".join(str(p.get("text", "")) for p in content)
+            for j, part in enumerate(content):
+                # vLLM skips a null text part, with a warning: the request says there is text
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"body.messages[{i}].content[{j}].text: a string, not {_kind(part.get('text'))}")
+            # joined as vLLM's server joins them for a chat template that takes a string
+            # (vllm/renderers/chat_utils.py, _parse_chat_message_content_parts)
+            content = "\n".join(p["text"] for p in content)
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
             raise ValueError(f"body.messages[{i}]: a role and a text content")
+        if field := next((f for f in TEMPLATE_FIELDS if m.get(f) is not None), None):
+            raise ValueError(
+                f"body.messages[{i}].{field}: not served (vLLM's chat template would see it; a message here is "
+                "its role and content)"
+            )
         out.append({"role": m["role"], "content": content})
     return out
 
@@ -401,11 +535,23 @@ def request_rows(line: bytes, pairs: bool = False) -> list[dict[str, Any]]:
     if row["url"] not in SCORE + RERANK:
         return [row]  # another task's request: RowInputs refuses it
     try:
-        texts, top_n = score_pairs(row["url"], json.loads(line).get("body"))
+        texts, top_n = _score_request(json.loads(line), line)
     except ValueError as e:
         return [row | {"request_error": str(e)}]
     body = json.dumps({"top_n": top_n}) if top_n else None
     return [row | {"input": a, "pair": b, "pair_index": i, "body": body} for i, (a, b) in enumerate(texts)]
+
+
+def _score_request(request: dict[str, Any], line: bytes) -> tuple[list[tuple[str, str]], int]:
+    """``score_pairs`` of a score or rerank request line, whose strings must be text as ``request_row``
+    has them: planning counts its rows with it (``_rows``), a job makes them (``request_rows``).
+
+    Raises:
+        ValueError: naming the field.
+    """
+    if (error := _not_unicode(request, line)) is not None:
+        raise ValueError(error)
+    return score_pairs(request["url"], request.get("body"))
 
 
 def score_pairs(url: str, body: Any) -> tuple[list[tuple[str, str]], int]:

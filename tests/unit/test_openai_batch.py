@@ -3,11 +3,16 @@ with the `openai` package's own types, not a schema written here."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+from collections.abc import Iterator
+from typing import Any
 
 import pyarrow as pa
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from openai.types import CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
@@ -214,6 +219,14 @@ def test_a_batch_file_is_sharded_by_line_and_every_request_is_read_once_in_order
         (['{"custom_id": "a", "body": {}}', "{not json"], "'{path}', line 2: not JSON"),
         (['{"custom_id": "a"}', '{"custom_id": "a"}'], "'{path}', line 2: the custom_id 'a' again"),
         (['{"body": {}}'], "'{path}', line 1: a request needs a custom_id"),
+        # a truncated emoji: a custom_id that is no text (it could not be an output's id)
+        (['{"custom_id": "a"}', '{"custom_id": "q\\ud83d"}'], "'{path}', line 2: the custom_id 'q\\ud83d' is not"),
+        (['{"custom_id": "a", "body": ' + "[" * 100_000 + "]" * 100_000 + "}"], "'{path}', line 1: not JSON"),
+        # one that Python's json reads, but a job's deeper stack might not
+        (
+            ['{"custom_id": "a", "body": ' + "[" * 300 + "]" * 300 + "}"],
+            "line 1: not JSON shardgen reads (nested deeper",
+        ),
         ([json.dumps(request(0)), json.dumps(request(1, model="other"))], "the requests name 2 models"),
     ],
 )
@@ -236,7 +249,8 @@ def test_a_request_that_is_not_valid_becomes_that_rows_error_naming_the_field():
         return request_row(json.dumps(r).encode())
 
     parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
-    assert row(request(0, messages=[parts]))["messages"] == [{"role": "user", "content": "ab"}]
+    # joined as vLLM's server joins them (chat_utils._parse_chat_message_content_parts)
+    assert row(request(0, messages=[parts]))["messages"] == [{"role": "user", "content": "a\nb"}]
     assert json.loads(row(request(0, max_tokens=5, seed=1))["body"]) == {"max_tokens": 5, "seed": 1}
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
     assert row(request(0, messages=[image]))["request_error"] == "body.messages[0].content: only text parts are served"
@@ -248,6 +262,76 @@ def test_a_request_that_is_not_valid_becomes_that_rows_error_naming_the_field():
     chat.check(row(request(0)))
     with pytest.raises(RowError, match="invalid_request: url: '/v1/embeddings', but this run serves /v1/chat"):
         chat.check(row({**embedding, "body": {"input": "text"}}))
+
+
+def test_a_request_value_a_row_cannot_hold_is_its_rows_error_and_the_other_requests_are_read(tmp_path):
+    """A non-string url, a truncated emoji (a lone surrogate: no UTF-8 for Arrow) in any field: the
+    row's invalid_request error naming the field, not a shard whose read fails on every attempt."""
+    from shardgen.plan import Manifest, build_manifest
+
+    emoji = request(1, messages=[{"role": "user", "content": "Hi \ud83d"}])
+    key = request(3, stop=["x"], **{"tag\udc00": 1})
+    lines = [request(0) | {"url": 123}, emoji, request(2), key, request(4, "/v1/chat/completions\ud83d")]
+    path = batch_file(tmp_path / "in.jsonl", lines)
+    assert "\\ud83d" in (tmp_path / "in.jsonl").read_text(), "written as JSON escapes"
+    manifest = Manifest(build_manifest(batch_config([path])))
+    rows = [r for s in manifest.shards for b in manifest.source().read(s.segments) for r in b.to_pylist()]
+    assert [r["custom_id"] for r in rows] == [f"req-{i}" for i in range(5)]
+    errors = [r["request_error"] for r in rows]
+    assert errors[0] == "url: a string (one of /v1/chat/completions, /v1/completions, /v1/embeddings, /score, " \
+        "/v1/score, /rerank, /v1/rerank, /v2/rerank), not a number"  # fmt: skip
+    assert errors[1] == "body.messages[0].content: not valid Unicode text (a lone surrogate, '\\ud83d', at character 3)"
+    assert errors[2] is None and rows[2]["messages"] == [{"role": "user", "content": "Question 2?"}]
+    assert errors[3] == "body['tag\\udc00']: not valid Unicode text (a lone surrogate, '\\udc00', at character 3 " \
+        "of the name)"  # fmt: skip
+    assert errors[4] == "url: not valid Unicode text (a lone surrogate, '\\ud83d', at character 20)"
+    assert all(e is None or e.encode() for e in errors), "an error the output can hold"
+
+
+def test_a_chat_requests_prompt_and_sampling_are_what_vllms_server_makes_of_it_or_the_rows_error():
+    """As vLLM 0.32's OpenAI server reads the same request: text parts joined with a newline, and
+    max_completion_tokens before max_tokens; a null text part and the message fields the chat template
+    would see beside role and content (name, tool_calls, tool_call_id, ...) are the row's error."""
+    from shardgen.openai_batch import request_row
+    from shardgen.rowsampling import overrides, row_sampling
+
+    def row(r: dict) -> dict:
+        return request_row(json.dumps(r).encode())
+
+    def error(**body) -> str | None:
+        return row(request(0, **body))["request_error"]
+
+    def user(*parts, **fields) -> dict:
+        return {"role": "user", "content": [{"type": "text", "text": t} for t in parts], **fields}
+
+    assert row(request(0, messages=[user("a", "b", "c")]))["messages"] == [{"role": "user", "content": "a\nb\nc"}]
+    assert error(messages=[user("a", None)]) == "body.messages[0].content[1].text: a string, not null"
+    assert error(messages=[{"role": "user", "content": [{"type": "text"}]}]) == (
+        "body.messages[0].content[0].text: a string, not null"
+    )
+    assert error(messages=[user(["a"])]) == "body.messages[0].content[0].text: a string, not a list"
+    call = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    for i, field, value in [(0, "name", "bob"), (1, "tool_calls", call), (1, "tool_call_id", "call_1"),
+                            (1, "reasoning", "hmm")]:  # fmt: skip
+        messages = [user("Hi"), {"role": "assistant", "content": "Hello"}, user("Bye")]
+        messages[i] = messages[i] | {field: value}
+        assert error(messages=messages) == (
+            f"body.messages[{i}].{field}: not served (vLLM's chat template would see it; a message here is "
+            "its role and content)"
+        )
+    assert error(messages=[user("Hi", name=None, tool_calls=None)]) is None, "null: absent, as vLLM has it"
+    # both token limits, in either order: max_completion_tokens, as vLLM's server and OpenAI take it
+    for body in ({"max_tokens": 3, "max_completion_tokens": 7}, {"max_completion_tokens": 7, "max_tokens": 3}):
+        given = overrides(row(request(0, **body))["body"], "body")
+        assert row_sampling({"max_tokens": 100}, given, "body")["max_tokens"] == 7
+    given = overrides(row(request(0, max_tokens=3, max_completion_tokens=None))["body"], "body")
+    assert row_sampling({"max_tokens": 100}, given, "body")["max_tokens"] == 3
+    assert error(max_tokens="3", max_completion_tokens=7) == "body.max_tokens: an integer or null, not a string"
+    # vLLM's completion requests have no max_completion_tokens (its server would ignore it)
+    completion = {"custom_id": "p", "url": "/v1/completions", "body": {"prompt": "p", "max_completion_tokens": 7}}
+    assert row(completion)["request_error"] == (
+        "body.max_completion_tokens: not a field of a completion request (max_tokens is)"
+    )
 
 
 def test_a_batch_input_sets_the_prompt_the_id_and_the_sampling_and_refuses_other_settings():
@@ -290,6 +374,143 @@ def test_a_reasoning_runs_trace_is_the_messages_reasoning_and_its_tokens_the_usa
     assert completion.usage.completion_tokens_details.reasoning_tokens == 2
     assert "reasoning" not in ChatCompletion.model_validate(write(tmp_path / "plain", [sample(0, 0, "a")])[1][0][
         "response"]["body"]).choices[0].message.model_extra  # fmt: skip
+
+
+# -- Any JSON in any field: refused when planning, naming file and line, or rows (each its error at most) --
+
+# text with lone surrogates (a truncated emoji) besides any other character: JSON escapes hold them, UTF-8 not
+FUZZ_TEXT = st.lists(st.characters() | st.characters(categories=["Cs"]), max_size=5).map("".join)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | FUZZ_TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(FUZZ_TEXT, inner, max_size=3),
+    max_leaves=6,
+)
+# a valid request of each url a run of each kind serves, whose values (at any depth) the fuzz replaces and
+# whose objects it adds to
+FUZZ_REQUESTS = {
+    "chat": [{"url": "/v1/chat/completions", "body": {"model": "m", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}],
+        "max_completion_tokens": 5, "temperature": 0.5, "stop": ["x"], "logprobs": True, "top_logprobs": 1}}],
+    "completions": [{"url": "/v1/completions", "body": {"model": "m", "prompt": "Once", "max_tokens": 5,
+                                                          "logprobs": 1}}],
+    "embed": [{"url": "/v1/embeddings", "body": {"model": "m", "input": "text", "user": "u"}}],
+    "score": [{"url": "/score", "body": {"model": "m", "text_1": "q", "text_2": ["a", "b"]}},
+              {"url": "/v1/rerank", "body": {"model": "m", "query": "q", "documents": ["a", "b", "c"], "top_n": 2}}],
+}  # fmt: skip
+# names the fuzz adds fields under, beside arbitrary ones: those shardgen and vLLM read
+FUZZ_NAMES = ["custom_id", "url", "body", "messages", "role", "content", "type", "text", "name", "tool_calls",
+              "tool_call_id", "prompt", "input", "max_tokens", "max_completion_tokens", "n", "seed", "stop",
+              "response_format", "text_1", "text_2", "queries", "documents", "query", "top_n", "model"]  # fmt: skip
+
+
+def _paths(value: Any, at: tuple = ()) -> Iterator[tuple]:
+    yield at
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, inner in items:
+        yield from _paths(inner, (*at, key))
+
+
+def _set(value: Any, path: tuple, new: Any) -> Any:
+    if not path:
+        return new
+    out = copy.copy(value)
+    out[path[0]] = _set(value[path[0]], path[1:], new)
+    return out
+
+
+def _get(value: Any, path: tuple) -> Any:
+    for key in path:
+        value = value[key]
+    return value
+
+
+@st.composite
+def fuzzed_request(draw, i: int, kind: str) -> Any:
+    """A valid request, mostly of a url the run serves, with up to two of its values replaced by, or
+    objects given, any JSON value."""
+    others = draw(st.integers(0, 4)) == 2
+    bases = [r for k in sorted(FUZZ_REQUESTS) for r in FUZZ_REQUESTS[k]] if others else FUZZ_REQUESTS[kind]
+    out = {"custom_id": f"r{i}", "method": "POST", **draw(st.sampled_from(bases))}
+    for _ in range(draw(st.integers(0, 2))):
+        if draw(st.booleans()):
+            # deepest first: hypothesis draws the first more often, and a custom_id not text is refused
+            out = _set(out, draw(st.sampled_from(list(_paths(out))[:0:-1])), draw(JSON_VALUES))
+        elif objects := [p for p in _paths(out) if isinstance(_get(out, p), dict)]:
+            at = draw(st.sampled_from(objects))
+            key = draw(st.sampled_from(FUZZ_NAMES) | FUZZ_TEXT)
+            out = _set(out, at, {**_get(out, at), key: draw(JSON_VALUES)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def fuzz_runs(tmp_path_factory) -> dict[str, cfg.RunConfig]:
+    """A run of each kind that reads OpenAI batch requests, all of one file, two rows a shard."""
+    path = str(tmp_path_factory.mktemp("fuzz") / "requests.jsonl")
+    shards = {"shards": {"rows_per_shard": 2}}
+    pooling = {**TEST_MODEL_CFG, "runner": "pooling"}
+    return {
+        "chat": batch_config([path], **shards),
+        "completions": batch_config([path], prompt={"chat": False}, **shards),
+        "embed": batch_config([path], task="embed", model=pooling, **shards),
+        "score": score_config([path], **shards),
+    }
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_any_json_in_any_field_is_refused_naming_file_and_line_or_a_row_whose_read_never_fails(fuzz_runs, data):
+    """Planning refuses a line naming file and line (not JSON, no custom_id, one repeated), or every
+    line is its rows, which a job reads and makes requests of, or each row's error, whatever JSON the
+    request's fields hold: never a read that fails the shard on every attempt."""
+    from shardgen.errors import InputError, RowError
+    from shardgen.feed import RowInputs
+    from shardgen.openai_batch import request_rows, result_line, served_urls
+    from shardgen.plan import Manifest, build_manifest
+    from shardgen.prompts import PromptRenderer
+
+    kind = data.draw(st.sampled_from(sorted(fuzz_runs)))
+    config = fuzz_runs[kind]
+    # a line of any JSON now and then (planning refuses all but an object with a custom_id)
+    requests = [data.draw(JSON_VALUES if data.draw(st.integers(0, 19)) == 9 else fuzzed_request(i, kind))
+                for i in range(3)]  # fmt: skip
+    # JSON escapes for what is not ASCII, or UTF-8 (a lone surrogate as its three bytes, which Python's
+    # json reads back)
+    escaped = data.draw(st.booleans())
+    lines = [json.dumps(r, ensure_ascii=escaped).encode("utf-8", "surrogatepass") for r in requests]
+    path = config.input.openai_batch[0]
+    with open(path, "wb") as f:
+        f.write(b"\n".join(lines) + b"\n")
+    try:
+        manifest = Manifest(build_manifest(config))
+    except InputError as e:
+        assert re.match(rf"input: '{re.escape(path)}', line [1-3]: ", str(e)) or "the requests name" in str(e), e
+        str(e).encode()
+        event(f"{kind}: refused when planning")
+        return
+    pairs = config.kind.pairs
+    planned = [(json.loads(line)["custom_id"], len(request_rows(line, pairs))) for line in lines]
+    source = manifest.source()
+    rows = [r for s in manifest.shards for b in source.read(s.segments, batch_rows=2) for r in b.to_pylist()]
+    assert [r["custom_id"] for r in rows] == [c for c, n in planned for _ in range(n)], "each line's rows once"
+    event(f"{kind}: read")
+    inputs = RowInputs(urls=served_urls(config))
+    task = config.kind(config, None) if config.kind.generates else None
+    for index, (row, prompt) in enumerate(zip(rows, PromptRenderer.from_config(config.prompt).render_batch(rows),
+                                              strict=True)):  # fmt: skip
+        try:
+            inputs.check(row)
+            if isinstance(prompt, RowError):
+                raise prompt
+            if task is not None:
+                task.params(index, row)
+            event(f"{kind}: a request")
+        except RowError as e:  # the row's error, in the output: UTF-8, and an error line of the merge
+            out = {"row_index": index, "custom_id": row["custom_id"], "url": row["url"], "error": str(e)}
+            line = result_line([out], config.task, "m", 0, "custom_id")
+            event(f"{kind}: a row's error ({e.reason})")
+            assert line["response"]["status_code"] == 400
+            json.dumps(line, ensure_ascii=False).encode()
 
 
 # -- task score: vLLM's /score and /rerank requests ------------------------------------------------------
