@@ -34,6 +34,11 @@ signal) is marked ``<shard>.<g>.failed``: only the retry of the worker that
 held it tries it again, so one bad shard fails one worker, as it fails one job
 when each shard is a job, instead of every worker in turn. A committed shard's
 claims are removed, so the directory holds only the shards in progress.
+
+A claim on a shard or piece the plan does not hold (a stopped run's, planned
+again since: other rows per shard, another input, other workers with
+``tail: guided``) is work nobody can run: once its holder is gone it is
+released, never taken over as work; a live holder's is left alone.
 """
 
 from __future__ import annotations
@@ -317,15 +322,26 @@ class ClaimBoard:
         Before watching, it asks ``steal`` (with the shards the others hold) for
         a split of one of them (``splits.Thief``): a split, or a holder's answer
         that it has none to give, and it looks again.
+
+        A claim on a shard that ``shard_ids`` does not list (the plan's every
+        shard and piece) is not the plan's work: it is released once its holder
+        is gone, and otherwise left alone (``_unplanned``).
         """
         watched: dict[str, float] = {}  # claim -> its heartbeat when first watched
+        left: set[str] = set()  # claims on work the plan does not hold, whose holder still runs
         while True:
-            ids = list(shard_ids() if callable(shard_ids) else shard_ids)
             seen = self.scan()
+            # listed after the scan: a piece's cut file is made before any claim on it, so every claim
+            # the scan saw on a piece of the plan is listed
+            ids = list(shard_ids() if callable(shard_ids) else shard_ids)
+            planned = set(ids)
             now = self.now()
             others: list[tuple[Seen, dict[str, Any] | None]] = []
             for s in sorted(seen.values(), key=lambda s: s.shard):
                 record = self.holder_of(s)
+                if s.shard not in planned:
+                    self._unplanned(s, record, now - s.mtime, left)
+                    continue
                 mine = record is not None and record.get("worker") == self.holder.worker
                 if mine and record.get("token") != self.holder.token and self.gone(record, now - s.mtime):
                     claim = self.claim(s.shard, s.generation + 1, took_over=record)
@@ -369,6 +385,23 @@ class ClaimBoard:
                 self._sleep(1.5 * self.heartbeat_s)
             else:
                 return None
+
+    def _unplanned(self, seen: Seen, record: dict[str, Any] | None, age: float, left: set[str]) -> None:
+        """A claim on a shard or piece the plan does not hold: a stopped run's, planned again since. Nobody
+        can run it (its rows are not the plan's), so it is never taken over as work: once its holder is gone,
+        it is taken over only to be released (generation g+1 first, so that one worker removes it), with
+        every earlier generation; a live holder's (``left``) is left alone, and not waited for."""
+        mine = record is not None and record.get("worker") == self.holder.worker
+        if self.gone(record, age, ask=mine or age > 2 * self.heartbeat_s):
+            claim = self.claim(seen.shard, seen.generation + 1, took_over=record)
+            if claim is not None:
+                claim.release()
+                log.warning("shard %s: the plan has no such shard or piece (planned again since %s claimed it); "
+                            "its claim is released", seen.shard, _who(record))  # fmt: skip
+        elif seen.name not in left:
+            left.add(seen.name)
+            log.warning("shard %s: the plan has no such shard or piece; its claim is left to %s, which still "
+                        "holds it", seen.shard, _who(record))  # fmt: skip
 
 
 def _who(record: dict[str, Any] | None) -> str:

@@ -257,3 +257,35 @@ def test_a_worker_with_nothing_left_ends_once_every_other_claim_was_renewed(tmp_
 
     assert board(tmp_path, 1, lease=100, sleep=sleep).next(["00000"], never_done) is None
     assert slept == [30]
+
+
+def test_a_claim_on_work_the_plan_does_not_hold_is_released_once_its_holder_is_gone_and_a_live_ones_left(
+    tmp_path, caplog
+):
+    """Claims of a run planned again since (other rows per shard): 00007 of a worker that failed on it and
+    is gone, 00009 of one still running. Neither is the plan's work (``shard_ids``): the first is released
+    with every generation, never taken over and run; the second is left to its holder, and neither waited
+    for nor asked to split."""
+    gone = board(tmp_path, 5)
+    stale = gone.claim("00007")
+    age(tmp_path / "claims" / stale.name, 3600)
+    stale = gone.claim("00007", 2)  # a retry took it back, and failed too
+    stale.mark_failed(RuntimeError("shard 00007 has no piece"))
+    age(tmp_path / "claims" / stale.name, 3600)
+    live = board(tmp_path, 6).claim("00009")
+    slept, asked = [], []
+
+    def steal(live: list[str]) -> bool:
+        asked.append(live)
+        return False
+
+    b = board(tmp_path, 0, sleep=slept.append)
+    claim = b.next(["00000"], never_done, steal)
+    assert claim.shard == "00000" and claim.generation == 1
+    claim.release()  # committed
+    assert b.next(["00000"], lambda s: True, steal) is None
+    assert slept == [] and all("00009" not in shards for shards in asked)
+    assert sorted(n for n in os.listdir(tmp_path / "claims") if not n.startswith(".clock")) == ["00009.1.claim"]
+    live.check()
+    assert "00007: the plan has no such shard or piece" in caplog.text and "released" in caplog.text
+    assert "00009: the plan has no such shard or piece; its claim is left to worker 6" in caplog.text

@@ -7,15 +7,22 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Callable
+from types import SimpleNamespace
 
+import pyarrow.parquet as pq
 import pytest
 
-from shardgen import records, splits
-from shardgen.claims import ClaimBoard, Holder
-from shardgen.feed import RowStream
-from shardgen.plan import Shard
+from shardgen import feed, generate, records, splits
+from shardgen.claims import Claim, ClaimBoard, ClaimLost, Holder
+from shardgen.config import RunConfig
+from shardgen.engine import EngineSettings
+from shardgen.feed import RowStream, ShardFeed, ShardWork
+from shardgen.plan import Manifest, Shard
 from shardgen.rundir import RunDir
 from shardgen.sources import Segment
+from shardgen.stats import AttemptCounters
+from shardgen.tasks import make_task
 
 # rows [100, 160) of the input: the last 20 rows of file 0 (rows 80..99 of it), then 40 of file 1
 SHARD = Shard("00003", 100, 160, [Segment(0, 80, 100), Segment(1, 0, 40)])
@@ -49,53 +56,185 @@ def test_a_cut_gives_half_of_the_unfinished_rows_never_a_row_read_and_the_slowes
     assert splits.seconds_left(progress) == 150.0  # 20 rows in 100 s; 30 left
 
 
-def test_an_idle_worker_gets_the_rows_the_holder_has_not_read_and_a_holder_with_none_declines(tmp_path):
+# -- The holder as it runs: the real shard job (generate.ShardJob) and feed (feed.ShardFeed), on a fake engine --
+
+ERROR_ROWS = (3, 7, 11, 50, 55)  # a null topic: the template fails, and the row counts against the error budget
+# What a job's task needs of the engine's tokenizer (no labels, no reasoning parser): token ids for the feed.
+TOKENIZER = SimpleNamespace(hf=None, encode_batch=lambda prompts: [[1, 2, 3] for _ in prompts])
+
+
+class FakeEngine:
+    """What the feed uses of vLLM's engine (``feed.Feeder``: ``add_request``, ``step``, ``abort_request``):
+    each step finishes the oldest request. ``on_step`` runs first in each step, that is between two of the
+    holder's looks for a split request (``ShardFeed._poll``)."""
+
+    def __init__(self, on_step: Callable[[FakeEngine], None] = lambda engine: None) -> None:
+        self.rows: list[int] = []  # the row of each request it was given
+        self.queue: list[tuple[str, list[int]]] = []
+        self.steps = 0
+        self.on_step = on_step
+
+    def add_request(self, request_id, prompt, params, lora_request=None):
+        self.queue.append((request_id, prompt["prompt_token_ids"]))
+        self.rows.append(int(request_id.rsplit("-", 1)[1]))  # the feed's ids end with the row's index
+
+    def step(self):
+        self.steps += 1
+        self.on_step(self)
+        request_id, ids = self.queue.pop(0)
+        out = SimpleNamespace(index=0, text=f"text of {request_id}", token_ids=[7, 8], finish_reason="stop",
+                              logprobs=None)  # fmt: skip
+        return [SimpleNamespace(request_id=request_id, finished=True, outputs=[out], prompt_token_ids=ids,
+                                num_cached_tokens=0, metrics=None)]  # fmt: skip
+
+    def abort_request(self, request_ids):
+        self.queue = [q for q in self.queue if q[0] not in request_ids]
+
+
+def split_run(tmp_path, monkeypatch) -> tuple[RunConfig, RunDir]:
+    """A run of 2 workers over one shard of 60 rows, saved every 5 rows, at most a tenth of them errors."""
+    from shardgen.plan import write_manifest
+    from tests.conftest import base_config, write_parquet
+
+    monkeypatch.setattr(splits, "POLL_S", 0.0)  # the holder looks for a request at every poll (one stat)
+    monkeypatch.setattr(feed, "PROGRESS_SECONDS", 0.0)  # progress.json after every row: the rate the thief reads
+    run_dir = RunDir(tmp_path / "results")
+    rows = [{"id": f"r{i:02d}", "topic": None if i in ERROR_ROWS else f"topic {i}"} for i in range(60)]
+    data = write_parquet(tmp_path / "in.parquet", rows)
+    config = base_config({"parquet": [str(data)]}, output={"dir": str(run_dir.root)},
+                         shards={"rows_per_shard": 60, "workers": 2, "lease_seconds": 60, "split_seconds": 10},
+                         prompt={"template": "One sentence about {{ topic }}.", "order": "input"},
+                         checkpoint={"rows": 5}, errors={"max_rate": 0.1})  # fmt: skip
+    write_manifest(config, run_dir.manifest)
+    run_dir.shards.mkdir(parents=True)
+    return config, run_dir
+
+
+def prepare(config: RunConfig, run_dir: RunDir, claim: Claim) -> generate.ShardJob:
+    """A worker's attempt at the piece it claimed, as ``generate.run_shard`` prepares it (checkpoints, error
+    budget, splitter); started an hour ago, so that its rate makes it worth a split."""
+    job = generate.ShardJob.prepare(config, run_dir.manifest, claim.shard, {"source": "test"}, guard=claim.check)
+    job.started -= 3600
+    return job
+
+
+def feed_and_commit(job: generate.ShardJob, run_dir: RunDir, engine: FakeEngine, work: ShardWork | None = None):
+    """Phases 3 and 4 of ``generate.run_shard``, with ``engine`` in place of vLLM's: the feed, then the commit."""
+    counters = AttemptCounters()
+    llm = SimpleNamespace(llm_engine=engine)
+    shard_feed = ShardFeed(work or job.work(), make_task(job.config, TOKENIZER, None), TOKENIZER, llm,
+                           lambda: False, counters, window=4)  # fmt: skip
+    try:
+        shard_feed.run()
+        run = generate.AttemptRun(EngineSettings(model=dict(job.config.model)), counters)
+        return job.commit(run_dir.shard_file(job.shard.id), run_dir.shard_stats(job.shard.id), run)
+    except BaseException as e:
+        job.record_end(e, counters)
+        raise
+    finally:
+        job.splitter.close()
+
+
+def wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_an_idle_worker_gets_the_rows_the_holder_has_not_read_and_a_holder_with_none_declines(tmp_path, monkeypatch):
+    """Worker 0 runs shard 00000; worker 1, with nothing left, asks (its ``ClaimBoard.next`` and ``Thief``)
+    while the holder's feed runs. The holder cuts at a row it has not read: its shard job, checkpoints and
+    error budget end there, and worker 1 claims and runs the rows past it. Each row is run once, by one."""
+    config, run_dir = split_run(tmp_path, monkeypatch)
+    s = splits.of_run(config)
+    manifest = Manifest.load(run_dir.manifest)
+    held = ClaimBoard(run_dir.claims, Holder.here(0), 60, below=run_dir.root).claim("00000")
+    job = prepare(config, run_dir, held)
+    work = job.work()
+    idle = ClaimBoard(run_dir.claims, Holder.here(1), 60, below=run_dir.root, sleep=lambda _: pytest.fail("waited"))
+    thief = splits.Thief(s, run_dir, {"worker": 1}, min_seconds=10, sleep=lambda _: time.sleep(0.01))
+    taken: list[Claim] = []
+    asks: list[threading.Thread] = []
+    floors: list[int] = []  # at each ask: the first row the holder has not read
+
+    def idle_worker() -> None:  # nothing unclaimed: it asks the live holder for a split, then claims the piece
+        taken.append(idle.next(lambda: ["00000", *s.new_pieces(manifest)], lambda _: False, thief.steal))
+
+    def ask(target) -> None:
+        floors.append(work.remaining.floor)
+        asks.append(threading.Thread(target=target))
+        asks[-1].start()
+        wait_for(lambda: s.pending("00000") or not asks[-1].is_alive())  # asked: the holder answers at its next poll
+
+    def between_steps(engine: FakeEngine) -> None:
+        rows = work.remaining
+        if engine.steps == 10:
+            ask(idle_worker)
+        elif len(asks) == 1 and rows.floor == rows.stop:  # later, every row before the cut read: it declines
+            ask(lambda: thief.steal(["00000"]))
+
+    engine = FakeEngine(between_steps)
+    stats = feed_and_commit(job, run_dir, engine, work)
+    for t in asks:
+        t.join()
+
+    # The holder answers at its poll after the 10th step: rows 0..15 read, 13 of them finished (10 by the
+    # engine, rows 3, 7 and 11 errors), 3 in flight. Of the 44 rows not read and the 3 held, 23 go: cut at 37.
+    assert floors[0] == 16
+    assert [(p.id, p.start, p.stop) for p in s.pieces(manifest.shard("00000"))] == [("00000", 0, 37),
+                                                                                   ("00000-37", 37, 60)]  # fmt: skip
+    assert max(engine.rows) == 36 and job.splitter.stop_now() == 37, "the holder read no row past the cut"
+    assert (job.shard.stop, job.ckpt.stop, job.ckpt.rows) == (37, 37, 37), "its job and checkpoints end there"
+    assert (job.budget.rows, job.budget.limit, job.budget.errors) == (37, 3, 3), "its error budget is of its rows"
+    assert (stats["rows"], stats["errors"]) == (37, 3)
+    assert not s.pending("00000") and set(thief.declined) == {"00000"}, "then, with none left to give, it declined"
+    assert floors[1] == 37 and thief.steal(["00000"]) is False, "not asked again: nothing worth asking"
+    held.release()  # committed
+
+    (claim,) = taken
+    assert (claim.shard, claim.generation) == ("00000-37", 1)
+    piece = prepare(config, run_dir, claim)
+    assert (piece.shard.start, piece.shard.stop, piece.budget.limit) == (37, 60, 2)
+    other = FakeEngine()
+    feed_and_commit(piece, run_dir, other)
+    claim.release()
+    assert sorted(other.rows) == [i for i in range(37, 60) if i not in ERROR_ROWS], "the rows the holder did not read"
+    for p in s.pieces(manifest.shard("00000")):
+        assert generate.committed(config, manifest, p, run_dir.shard_file(p.id), run_dir.shard_stats(p.id))
+    tables = [pq.read_table(run_dir.shard_file(p)) for p in ("00000", "00000-37")]
+    assert sorted(i for t in tables for i in t.column("row_index").to_pylist()) == list(range(60)), "each row once"
+    assert sorted(i for t in tables for i, e in zip(t["row_index"].to_pylist(), t["error"].to_pylist(), strict=True)
+                  if e) == list(ERROR_ROWS)  # fmt: skip
+
+
+def test_a_holders_commit_raises_claim_lost_when_the_cut_moved(tmp_path, monkeypatch):
+    """A cut this attempt did not make (its holder before it decided it, then lost its claim to this one):
+    the piece's rows by the cut files are not those this attempt ran, so it is not committed."""
+    config, run_dir = split_run(tmp_path, monkeypatch)
+    s = splits.of_run(config)
+    shard = Manifest.load(run_dir.manifest).shard("00000")
+    held = ClaimBoard(run_dir.claims, Holder.here(0), 60, below=run_dir.root).claim("00000")
+    job = prepare(config, run_dir, held)
+
+    def earlier_holders_cut(engine: FakeEngine) -> None:
+        if engine.steps == 5:
+            assert s.record_cut(shard, 40, {"piece": "00000", "cut": 40})
+
+    engine = FakeEngine(earlier_holders_cut)
+    with pytest.raises(ClaimLost, match=r"shard 00000: its rows end at 40 by .*, not at 60 as this attempt ran"):
+        feed_and_commit(job, run_dir, engine)
+    assert max(engine.rows) == 59, "this attempt knew of no cut: it ran every row"
+    assert not run_dir.shard_file("00000").exists() and not run_dir.shard_stats("00000").exists()
+    assert [(p.start, p.stop) for p in s.pieces(shard)] == [(0, 40), (40, 60)]
+
+
+def test_an_idle_worker_waits_for_a_rate_of_a_piece_that_has_reported_none_then_ends(tmp_path):
+    """A piece whose holder has reported no progress yet (its engine starting) may be the slowest: the
+    worker waits for a rate, up to splits.RATE_WAIT_S in all, before it ends."""
     run_dir = RunDir(tmp_path)
-    s = splits.Splits(run_dir.splits)
-    now = [0.0]
-    holder = splits.Splitter(s, SHARD, SHARD, guard=lambda: None, clock=lambda: now[0])
-    stream = RowStream(((i, {"i": i}) for i in range(SHARD.start, SHARD.stop)), SHARD.stop, SHARD.start)
-    pulled = [next(stream)[0] for _ in range(20)]  # rows 100..119 read; 4 of them still in flight
-    run_dir.checkpoint(SHARD.id).mkdir(parents=True)
-    run_dir.progress(SHARD.id).write_text(
-        records.Progress(1, "h", 1, None, started=0.0, time=16.0, rows=60, done=16, resumed=0, saved=16).text()
-    )
-    answers = []
-
-    def hold() -> None:  # the holder's feed, polling between engine steps
-        for _ in range(400):
-            now[0] += 1.0
-            if holder.wanted():
-                cut = splits.cut_point(stream.floor, stream.stop, held=4)
-                if holder.decide(cut):
-                    stream.stop = cut
-                answers.append(cut)
-                return
-            time.sleep(0.01)
-
-    thief = splits.Thief(s, run_dir, {"worker": 1}, min_seconds=10, sleep=lambda _: time.sleep(0.02))
-    t = threading.Thread(target=hold)
-    t.start()
-    assert thief.steal(["00003"]) is True
-    t.join()
-    assert answers == [138] and [p.id for p in s.pieces(SHARD)[1:]] == ["00003-138"]  # 40 unread + 4 held: 22 go
-    rest = [i for i, _ in stream]
-    assert max(pulled + rest) == 137 and not s.pending("00003"), "the holder stops at the cut"
-    assert [(p.start, p.stop) for p in s.pieces(SHARD)] == [(100, 138), (138, 160)]
-    assert holder.stop_now() == 138
-
-    # the holder has read every row now (all in flight): it declines, and is not asked again
-    t = threading.Thread(target=hold)
-    t.start()
-    assert thief.steal(["00003"]) is True
-    t.join()
-    assert answers[-1] is None and set(thief.declined) == {"00003"}
-    assert thief.steal(["00003"]) is False, "nothing worth asking: the worker ends"
-
-    # a piece whose holder has reported no progress yet (its engine starting) may be the slowest: the
-    # worker waits for a rate, up to splits.RATE_WAIT_S in all, before it ends
     slept = []
-    thief = splits.Thief(s, run_dir, {"worker": 1}, min_seconds=10, sleep=slept.append)
+    thief = splits.Thief(splits.Splits(run_dir.splits), run_dir, {"worker": 1}, min_seconds=10, sleep=slept.append)
     while thief.steal(["00009"]):
         assert len(slept) <= splits.RATE_WAIT_S / splits.POLL_S
     assert sum(slept) == splits.RATE_WAIT_S and thief.asked == 0
