@@ -30,6 +30,8 @@ from tests.integration.workflow import (
 pytestmark = pytest.mark.engine
 
 NO_PERIODIC_SAVES = {"rows": 10_000, "seconds": 3600}
+# A Slurm job's rows/s over the session engine's on the same rows (``rows_per_s``), measured here
+JOB_SPEED = 1.07  # a job 2.99 rows/s, the session engine 2.80 (AVX-512, 2 cores)
 
 
 def one_shard_run(tmp_path, rows: int, checkpoint=None, **model):
@@ -42,6 +44,25 @@ def one_shard_run(tmp_path, rows: int, checkpoint=None, **model):
     )
     config["model"].update({"max_num_seqs": 4, **model})
     return config
+
+
+@pytest.fixture(scope="module")
+def rows_per_s(engine, tmp_path_factory) -> float:
+    """This machine's speed on ``one_shard_run``'s rows (24 tokens each, 4 at a time), measured on the
+    session engine: what a test that races a Slurm time limit sizes its shard from. (Seen: 2-3.5 rows/s
+    in a job on a 2-core machine with AVX-512, 1.26 on an AVX2-only one.)"""
+    from shardgen.config import RunConfig, validate
+    from shardgen.generate import run_shard
+    from shardgen.plan import write_manifest
+
+    tmp = tmp_path_factory.mktemp("rate")
+    config = one_shard_run(tmp, 24, checkpoint=NO_PERIODIC_SAVES)
+    config["output"] = {"dir": str(tmp / "results")}
+    run = RunConfig.from_dict(validate(config))
+    write_manifest(run, tmp / "manifest.json")
+    run_shard(run, tmp / "manifest.json", "00000", tmp / "s.parquet", tmp / "s.json", engine, window=4)
+    stats = json.loads((tmp / "s.json").read_text())
+    return stats["rows_generated"] / stats["generation_seconds"]
 
 
 def results(tmp_path, rows: int):
@@ -161,15 +182,21 @@ def _job_states(job_ids) -> dict[str, str]:
 
 
 @pytest.mark.slurm
-def test_a_time_limit_and_a_scancel_each_save_the_finished_rows_and_the_retries_get_more_time(tmp_path, slurm_cluster):
+def test_a_time_limit_and_a_scancel_each_save_the_finished_rows_and_the_retries_get_more_time(
+    tmp_path, slurm_cluster, rows_per_s
+):
     """SIGTERM reaches shardgen under Slurm, from the time limit and from scancel, and what it saves
     is what the next attempt resumes; each attempt gets runtime × its number; a retry never writes
     beside the attempt it replaces."""
-    rows = 300
-    # About 25-55 s from job start to the first row and 2-3.5 rows/s here. Attempt 1 (1 minute) runs
-    # out of time after some rows (Slurm enforces the limit within about 30 s: 140 rows were done in
-    # one run); attempt 2 (2 minutes) is cancelled once it has generated rows of its own; attempt 3
-    # (3 minutes) finishes. Slurm signals every process of the job, vLLM's engine core included.
+    # 25-55 s from job start to the first row. Attempt 1 (1 minute; Slurm enforces the limit within
+    # about 30 s) generates for 5 to 65 s, so it must not finish: more than 65 s of rows. Attempt 2
+    # (2 minutes) is cancelled once it has generated rows of its own; attempt 3 (3 minutes) generates
+    # for at least 125 s and must finish: fewer than 130 s of rows with the first. So the shard is
+    # 95 s of rows at this machine's speed (a fixed count failed on a slower machine: 222 of 300 rows
+    # done at 1.26 rows/s when the third attempt ran out). A job here ran at JOB_SPEED times the
+    # session engine's speed. Slurm signals every process of the job, vLLM's engine core included.
+    rows = round(95 * JOB_SPEED * rows_per_s)
+    print(f"session engine: {rows_per_s:.2f} rows/s; the shard: {rows} rows")
     config = one_shard_run(tmp_path, rows, checkpoint=NO_PERIODIC_SAVES)
     config["resources"]["runtime"] = 1
     run = Background(tmp_path, config, "slurm")
@@ -196,6 +223,7 @@ def test_a_time_limit_and_a_scancel_each_save_the_finished_rows_and_the_retries_
     # the log names the Slurm job of the attempt that finished
     log = (tmp_path / "results" / "logs" / "generate_shard" / "00000.log").read_text()
     assert re.search(rf"start on \S+, Slurm job {finished['slurm']['job_id']} ", log), log[:2000]
+    print(f"the last attempt: {shard['rows_generated'] / shard['generation_seconds']:.2f} rows/s")
 
 
 @pytest.mark.slurm
