@@ -44,6 +44,7 @@ lint: setup
 	$(RUN) ruff format --check .
 	$(RUN) snakefmt --check Snakefile workflow/rules
 	$(RUN) snakemake --lint --configfile config/config.yaml
+	$(RUN) lint-imports
 
 format: setup
 	$(RUN) ruff format .

@@ -201,10 +201,6 @@ def check_columns(config: RunConfig, schema: Any, where: str, head: Any = None) 
              "lora.column": config.lora.column}  # fmt: skip
     keyed |= {f"prompt.images[{i}]": c for i, c in enumerate(config.prompt.images)}
     check_input_columns(schema, renderer.columns, keyed, result_spec(config, head).names, prompt_key, where)
-    if config.step and not config.input.step:
-        from shardgen.steps import check_bookkeeping
-
-        check_bookkeeping(schema.names, where)
 
 
 def build_manifest(config: RunConfig) -> dict[str, Any]:
@@ -216,13 +212,16 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
     """
     from shardgen.prompts import PromptRenderer
 
-    if config.input.step:
-        from shardgen.steps import step_manifest
+    if config.step:  # a step of a run of steps: the first reads the input, without the steps' columns
+        from shardgen.steps import check_bookkeeping, step_manifest
 
-        return step_manifest(config)
+        if config.input.step:
+            return step_manifest(config)
     source = open_source(config.input, config.kind.pairs)
     renderer = PromptRenderer.from_config(config.prompt)
     check_columns(config, source.schema, source.describe())
+    if config.step:
+        check_bookkeeping(source.schema.names, source.describe())
     if source.num_rows == 0 and not config.input.allow_empty:
         raise InputError(
             f"input: {source.describe()} has no rows; nothing to generate. "
