@@ -55,13 +55,17 @@ def rows_per_s(engine, tmp_path_factory) -> float:
     from shardgen.generate import run_shard
     from shardgen.plan import write_manifest
 
-    tmp = tmp_path_factory.mktemp("rate")
-    config = one_shard_run(tmp, 24, checkpoint=NO_PERIODIC_SAVES)
-    config["output"] = {"dir": str(tmp / "results")}
-    run = RunConfig.from_dict(validate(config))
-    write_manifest(run, tmp / "manifest.json")
-    run_shard(run, tmp / "manifest.json", "00000", tmp / "s.parquet", tmp / "s.json", engine, window=4)
-    stats = json.loads((tmp / "s.json").read_text())
+    def run(rows: int) -> dict:
+        tmp = tmp_path_factory.mktemp("rate")
+        config = one_shard_run(tmp, rows, checkpoint=NO_PERIODIC_SAVES)
+        config["output"] = {"dir": str(tmp / "results")}
+        run = RunConfig.from_dict(validate(config))
+        write_manifest(run, tmp / "manifest.json")
+        run_shard(run, tmp / "manifest.json", "00000", tmp / "s.parquet", tmp / "s.json", engine, window=4)
+        return json.loads((tmp / "s.json").read_text())
+
+    run(4)  # warm: the engine's first requests are slower
+    stats = run(24)
     return stats["rows_generated"] / stats["generation_seconds"]
 
 
@@ -188,17 +192,18 @@ def test_a_time_limit_and_a_scancel_each_save_the_finished_rows_and_the_retries_
     """SIGTERM reaches shardgen under Slurm, from the time limit and from scancel, and what it saves
     is what the next attempt resumes; each attempt gets runtime × its number; a retry never writes
     beside the attempt it replaces."""
-    # 25-55 s from job start to the first row. Attempt 1 (1 minute; Slurm enforces the limit within
-    # about 30 s) generates for 5 to 65 s, so it must not finish: more than 65 s of rows. Attempt 2
-    # (2 minutes) is cancelled once it has generated rows of its own; attempt 3 (3 minutes) generates
-    # for at least 125 s and must finish: fewer than 130 s of rows with the first. So the shard is
-    # 95 s of rows at this machine's speed (a fixed count failed on a slower machine: 222 of 300 rows
-    # done at 1.26 rows/s when the third attempt ran out). A job here ran at JOB_SPEED times the
-    # session engine's speed. Slurm signals every process of the job, vLLM's engine core included.
-    rows = round(95 * JOB_SPEED * rows_per_s)
+    # 25-55 s from job start to the first row here (S; about 35-70 s on an AVX2-only machine). Attempt 1
+    # (2 minutes; Slurm enforces the limit within about 30 s) generates for 120 - S to 150 - S s: it
+    # must save rows and not finish, so more than 125 s of rows. Attempt 2 (4 minutes) is cancelled once
+    # it has generated rows of its own; attempt 3 (6 minutes) generates for 290 s or more and finishes.
+    # So the shard is 170 s of rows at this machine's speed (a fixed count and 1-minute attempts failed
+    # on a slower machine: 222 of 300 rows done at 1.26 rows/s when the third attempt ran out). A job
+    # here ran at JOB_SPEED times the session engine's speed. Slurm signals every process of the job,
+    # vLLM's engine core included.
+    rows = round(170 * JOB_SPEED * rows_per_s)
     print(f"session engine: {rows_per_s:.2f} rows/s; the shard: {rows} rows")
     config = one_shard_run(tmp_path, rows, checkpoint=NO_PERIODIC_SAVES)
-    config["resources"]["runtime"] = 1
+    config["resources"]["runtime"] = 2
     run = Background(tmp_path, config, "slurm")
     run.wait_until(lambda: progress(tmp_path).get("attempt") == 2, 600, "the second attempt")
     resumed = progress(tmp_path)["saved"]
@@ -208,7 +213,7 @@ def test_a_time_limit_and_a_scancel_each_save_the_finished_rows_and_the_retries_
     run.wait()
     _, shard = results(tmp_path, rows)
     timed_out, cancelled, finished = shard["attempts"]
-    assert [a["slurm"]["time_limit"] for a in shard["attempts"]] == ["00:01:00", "00:02:00", "00:03:00"]
+    assert [a["slurm"]["time_limit"] for a in shard["attempts"]] == ["00:02:00", "00:04:00", "00:06:00"]
     assert timed_out["outcome"] == cancelled["outcome"] == "interrupted"
     assert timed_out["signal"] == cancelled["signal"] == "SIGTERM"
     assert 0 < timed_out["rows_saved"] == cancelled["rows_done_before"] == resumed
@@ -234,7 +239,9 @@ def test_a_rerun_after_a_killed_controller_waits_for_its_orphan_and_writes_every
     (scontrol suspend) until the rerun's job waits for it, so that it cannot finish first."""
     rows = 40
     config = one_shard_run(tmp_path, rows)
-    config["shards"]["lease_seconds"] = 90  # longer than the suspension; the waiting job looks every 18 s
+    # longer than the suspension (the unlock, the rerun's start and its job's, up to about 75 s on a
+    # slow machine); the waiting job looks every 36 s
+    config["shards"]["lease_seconds"] = 180
     config["resources"]["cpus_per_task"] = 1  # the two jobs run at once on the test node's 2 CPUs
     run = Background(tmp_path, config, "slurm")
     run.wait_until(lambda: progress(tmp_path).get("saved", 0) >= 4, 600, "the first job's saved rows")

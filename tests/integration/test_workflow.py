@@ -277,7 +277,7 @@ def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoe
     run.proc.wait(120)
     run.out.close()
     assert "shardgen: error: interrupted (SIGINT" in run.output(), "Ctrl-C stops the run (shardgen.runstop)"
-    deadline = time.time() + 60
+    deadline = time.time() + 120  # a vLLM job's SIGTERM, KillWait (30 s), then the node's cleanup
     while set(slurm_jobs(tmp_path).values()) & {"RUNNING", "PENDING", "COMPLETING"} and time.time() < deadline:
         time.sleep(0.5)
     assert set(slurm_jobs(tmp_path).values()) <= {"CANCELLED", "COMPLETED"}, slurm_jobs(tmp_path)

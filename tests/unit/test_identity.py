@@ -1,0 +1,71 @@
+"""Pins of the identities a refactoring could change without a word: a shard's fingerprint over
+Parquet files, over OpenAI batch files and of a piece a split made, and the content fingerprints of a
+run of steps. A change of any of them makes every committed shard and checkpoint of a running
+project look stale (issue 37: "pin before you move")."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardgen import config as cfg
+from shardgen import steps
+from shardgen.generate import shard_fingerprint
+from shardgen.plan import MANIFEST_VERSION, Manifest
+from shardgen.splits import clip
+
+ENGINE = "0.32.0"
+
+
+def _config(**sections):
+    return cfg.RunConfig.from_dict({
+        "input": {"parquet": ["/data/in-*.parquet"]}, "prompt": {"template": "{{ topic }}"},
+        "model": {"model": "my-org/model"}, "sampling": {"max_tokens": 8}, **sections,
+    })  # fmt: skip
+
+
+def _manifest(source: dict) -> Manifest:
+    shards = [{"id": "00000", "start": 0, "stop": 12, "segments": [[0, 0, 10], [1, 0, 2]]},
+              {"id": "00001", "start": 12, "stop": 20, "segments": [[1, 2, 10]]}]  # fmt: skip
+    return Manifest(
+        {"version": MANIFEST_VERSION, "source": source, "total_rows": 20, "rows_per_shard": 12, "shards": shards}
+    )
+
+
+FILES = [{"path": "/data/in-0.parquet", "size": 1000, "mtime_ns": 1, "rows": 10},
+         {"path": "/data/in-1.parquet", "size": 800, "mtime_ns": 2, "rows": 10}]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _engine(monkeypatch):
+    monkeypatch.setattr(cfg, "engine_version", lambda: ENGINE)
+
+
+def test_a_shards_fingerprint_over_parquet_files_and_of_a_piece_is_pinned():
+    config, manifest = _config(), _manifest({"kind": "parquet", "files": FILES})
+    shard = manifest.shards[0]
+    assert shard_fingerprint(config, manifest, shard) == "0aa007c5be3865b9"
+    assert shard_fingerprint(config, manifest, clip(shard, 5, 12)) == "3bfac90806dfa4e2"
+
+
+def test_a_shards_fingerprint_over_openai_batch_files_is_pinned():
+    config = _config(input={"openai_batch": ["/data/requests.jsonl"]}, prompt={}, output={"samples": "list"})
+    files = [{"path": f"/data/requests-{i}.jsonl", "size": 5000, "mtime_ns": 3, "rows": 10, "offsets": [0]}
+             for i in (0, 1)]  # fmt: skip
+    manifest = _manifest({"kind": "openai_batch", "files": files, "models": ["m"]})
+    assert shard_fingerprint(config, manifest, manifest.shards[1]) == "b0f12993da2d5263"
+
+
+def test_the_content_fingerprints_of_a_run_of_steps_are_pinned():
+    raw = cfg.validate({
+        "input": {"parquet": ["/data/in-*.parquet"]}, "model": {"model": "my-org/model"},
+        "output": {"dir": "results/chain"},
+        "steps": [
+            {"name": "draft", "prompt": {"template": "{{ topic }}"}, "sampling": {"n": 4, "seed": 1, "max_tokens": 8}},
+            {"name": "judge", "task": "reward", "model": {"model": "my-org/reward"},
+             "prompt": {"template": "{{ topic }} {{ generation }}", "chat": False},
+             "select": {"best_of": {"by": "reward"}}},
+        ],
+    })  # fmt: skip
+    draft, judge = steps.step_configs(raw)
+    assert [cfg.content_fingerprint(c, ENGINE) for c in (draft, judge)] == ["ecac43a65beb75df", "60362abf2cf4f328"]
+    assert steps.content_digest([draft, judge]) == "38aebd33fde0d0a4"
