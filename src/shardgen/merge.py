@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from shardgen import __version__, cost, formats, heads, openai_batch, splits
+from shardgen import cost, formats, heads, openai_batch, splits
 from shardgen.config import RunConfig, published_sampling
 from shardgen.errors import MergeError
 from shardgen.io import Dir, atomic_write_text
@@ -32,6 +32,7 @@ from shardgen.results import result_spec
 from shardgen.rundir import RunDir
 from shardgen.stats import RunTotals, summary_text
 from shardgen.steps import DROPPED
+from shardgen.version import __version__
 
 BATCH_ROWS = 8192
 

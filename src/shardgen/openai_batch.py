@@ -53,6 +53,10 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from shardgen import config as cfg
+from shardgen.errors import ConfigError, InputError
+from shardgen.rowsampling import row_logprobs
+
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
 
@@ -66,6 +70,58 @@ URLS = {"generate": CHAT, "embed": EMBEDDINGS, "score": SCORE[1]}
 ALL_URLS = (CHAT, COMPLETIONS, EMBEDDINGS, *SCORE, *RERANK)
 # the finish reasons a chat completion may have; vLLM's others ("abort") make the row an error line
 FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
+
+
+# -- The config: what batch files in and out need (registered with config) --------------------------------
+
+
+def check_config(config: dict[str, Any]) -> None:
+    """``input.openai_batch`` (``batch_input``) and ``output.format: openai_batch`` in a run's config.
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    if config["input"].get("openai_batch"):
+        batch_input(config)
+    output = config["output"]
+    if output.get("format") == "openai_batch":
+        if config["task"] not in URLS:
+            raise ConfigError(f"output.format openai_batch is for task {', '.join(URLS)}, not {config['task']}")
+        if output.get("push_to_hub"):
+            raise ConfigError(
+                "output.push_to_hub needs a dataset: output.format parquet, jsonl or hf, not openai_batch"
+            )
+
+
+def batch_input(config: dict[str, Any]) -> None:
+    """input.openai_batch: the requests decide the prompt, the row id and each row's sampling; the
+    settings that say so are filled in here (and refused when set otherwise).
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    task, prompt, inputs = config["task"], config["prompt"], config["input"]
+    if task not in URLS:
+        raise ConfigError(f"input.openai_batch is for task {', '.join(URLS)}, not {task}")
+    own_prompt = (("template", "{{ input }}"), ("messages_column", "messages"), ("pair_template", "{{ pair }}"))
+    for key, own in own_prompt:
+        if prompt.get(key) not in (None, own):
+            raise ConfigError(f"prompt.{key}: the requests of input.openai_batch are the prompts; leave it unset")
+    if URLS[task] == CHAT and prompt.get("chat", True):
+        prompt["messages_column"] = "messages"
+    else:  # an embedding's input, a completion's prompt, the first text of a pair to score
+        prompt.update(template="{{ input }}", chat=False)
+    if cfg.task_kind(config).pairs:
+        prompt["pair_template"] = "{{ pair }}"  # the second text (openai_batch.request_rows)
+    sampling = "body" if cfg.task_kind(config).generates else None
+    for key, own in (("id_column", "custom_id"), ("sampling_column", sampling)):
+        if inputs.get(key) not in (None, own):
+            raise ConfigError(f"input.{key}: input.openai_batch sets it ({own}); leave it unset")
+        inputs[key] = own
+
+
+# before the core's checks: the settings the requests decide are filled in first
+cfg.register_check(check_config, before_core=True)
 
 
 def custom_id(row: dict[str, Any], id_column: str | None) -> str:
@@ -230,8 +286,6 @@ def _score_body(rows: list[dict[str, Any]], index: int, model: str, created: int
 def logprobs_of(sampling: Any, sampling_column: str | None) -> Callable[[dict[str, Any]], int | None]:
     """How many top tokens each request asked for (``top_logprobs``), from its row: the run's
     ``sampling.logprobs``, or the row's own (``input.sampling_column``)."""
-    from shardgen.rowsampling import row_logprobs
-
     return lambda row: row_logprobs(sampling, row.get(sampling_column) if sampling_column else None, sampling_column)
 
 
@@ -307,8 +361,6 @@ def scan_line(line: bytes, path: str, lineno: int, pairs: bool = False) -> tuple
         InputError: the line is not a JSON object with a string ``custom_id`` (valid Unicode), or nests
             deeper than ``MAX_DEPTH``, naming the file and line.
     """
-    from shardgen.errors import InputError
-
     where = f"input: '{path}', line {lineno}"
     try:
         request = json.loads(line)
