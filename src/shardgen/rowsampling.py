@@ -33,7 +33,7 @@ Anything else, or a value vLLM refuses (a negative ``max_tokens``, a
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from shardgen.errors import RowError
@@ -168,6 +168,12 @@ def row_logprobs(run: Mapping[str, Any], value: Any, column: str | None) -> int 
         return row_sampling(run, overrides(value, column), column, own_n=True).get("logprobs")
     except RowError:
         return None
+
+
+def logprobs_of(sampling: Any, sampling_column: str | None) -> Callable[[dict[str, Any]], int | None]:
+    """How many top tokens each request asked for (``top_logprobs``), from its row: the run's
+    ``sampling.logprobs``, or the row's own (``input.sampling_column``)."""
+    return lambda row: row_logprobs(sampling, row.get(sampling_column) if sampling_column else None, sampling_column)
 
 
 def _structured(value: Any, column: str) -> dict[str, Any] | None:

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardgen.io import LazyDir
 from shardgen.plan import Manifest, Shard
+from shardgen.records import read_progress
 from shardgen.rundir import RunDir
 from shardgen.sources import Segment
 
@@ -224,6 +225,11 @@ class Splitter:
         self._next_look = now + POLL_S
         return self.splits.pending(self.piece.id)
 
+    @staticmethod
+    def cut(floor: int, stop: int, held: int) -> int | None:
+        """Where to cut the piece for an idle worker (``cut_point``)."""
+        return cut_point(floor, stop, held)
+
     def decide(self, cut: int | None) -> bool:
         """Answer the request: cut at ``cut`` (None: decline). The cut is recorded before the caller stops
         reading there; True when it was. The request is removed either way."""
@@ -272,8 +278,6 @@ class Thief:
     def running(self, live: Iterable[str]) -> list[Running]:
         """The live pieces no other worker asked for; rows and time left unknown (-1, None) for one that
         has not reported progress yet."""
-        from shardgen.records import read_progress
-
         out = []
         for piece in live:
             if self.splits.pending(piece):  # another worker asked

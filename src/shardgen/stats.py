@@ -17,7 +17,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardgen import cost
-from shardgen.tasks import KINDS
+from shardgen.config import TASKS
+from shardgen.errors import error_reason
 
 BUCKET_RATIO = 1.05  # bucket width: values within a bucket differ by at most 5%
 BUCKET_MIN = 1e-4  # seconds; smaller values share the first bucket
@@ -152,8 +153,6 @@ def _column_sum(table: pa.Table, name: str) -> int:
 
 def error_reasons(table: pa.Table) -> dict[str, int]:
     """Input rows with an error, by reason: a row counts once, by its first failed sample's error."""
-    from shardgen.errors import error_reason
-
     bad = table.filter(table.column("error").is_valid()).select(["row_index", "error"])
     first: dict[int, str] = {}
     for i, e in zip(bad.column("row_index").to_pylist(), bad.column("error").to_pylist(), strict=True):
@@ -214,7 +213,7 @@ def shard_stats(
         "row_stop": shard.stop,
         **figures,
         "error_reasons": reasons,
-        **summarize(figures, hists, KINDS[task].generates),
+        **summarize(figures, hists, TASKS[task].generates),
         "histograms": {k: h.to_json() for k, h in hists.items()},
         **engine_stats(engine_delta or {}),
     }
@@ -320,7 +319,7 @@ class RunTotals:
         totals = dict(self.totals)
         totals["task"] = self.task
         totals["error_reasons"] = self.error_reasons
-        generates = KINDS[self.task].generates
+        generates = TASKS[self.task].generates
         totals.update(summarize(totals, self.hists, generates))
         totals["output_tokens_per_gpu_hour"] = (
             _rate(totals["attempt_generated_tokens"], totals["gpu_hours"]) if generates else None
@@ -371,7 +370,7 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
 def summary_text(stats: dict[str, Any]) -> str:
     """A short summary for people, printed at the end of a run."""
     hit = stats["prefix_cache_hit_rate"]
-    if not KINDS[stats.get("task", "generate")].generates:
+    if not TASKS[stats.get("task", "generate")].generates:
         return _pooling_summary_text(stats, hit)
     lines = [
         f"rows            {stats['rows']}  ({stats['errors']} errors"

@@ -40,22 +40,20 @@ import pyarrow.parquet as pq
 from jinja2.exceptions import TemplateSyntaxError
 
 from shardgen import config as cfg
-from shardgen import formats
+from shardgen import formats, plan, sources
 from shardgen.config import RunConfig, content_fingerprint, digest, validate
 from shardgen.errors import ConfigError, InputError
 from shardgen.fetch import load_record
 from shardgen.heads import Head
 from shardgen.io import atomic_write_text
 from shardgen.plan import MANIFEST_VERSION, Manifest, check_columns
-from shardgen.results import result_spec
+from shardgen.results import DROPPED, result_spec
 from shardgen.rundir import RunDir, committed_fingerprint
 from shardgen.sandbox import BoundedSandbox, RenderBudget, TemplateTimeout
-from shardgen.sources import Segment
+from shardgen.sources import Segment, Source
 
 # What a step may set; each replaces the top-level section of its name.
 STEP_SECTIONS = ("task", "model", "prompt", "sampling", "pooling", "lora", "resources")
-# The column of a row that the step before did not pass on: why (null for every row it passed on).
-DROPPED = "dropped"
 # An earlier step's columns that are its own bookkeeping, not passed on (its own output keeps them).
 BOOKKEEPING = ("row_index", "finish_reason", "prompt_tokens", "generated_tokens", "reasoning_tokens", "error", DROPPED)
 OUTPUT_KEY = "output.dir"
@@ -581,5 +579,22 @@ def _warnings(config: dict[str, Any]) -> list[str]:
     return [f"step {c['step']['name']}: {w}" for c in step_configs(config) for w in cfg.warnings(c)]
 
 
-# A config with `steps` is a run of steps: each step's config is checked as a run's (step_configs)
+def _check_input(config: RunConfig, source: Source) -> None:
+    """The first step's input has none of the steps' bookkeeping columns (``check_bookkeeping``)."""
+    if config.step:
+        check_bookkeeping(source.schema.names, source.describe())
+
+
+def _check_plan(config: RunConfig, manifest: Manifest) -> None:
+    """What a step's ``select`` reads is in its rows (``check_select``)."""
+    if config.step:
+        check_select(config, pa.schema([*manifest.source().schema, *result_spec(config).fields()]))
+
+
+# A config with `steps` is a run of steps: each step's config is checked as a run's (step_configs);
+# a later step's input is the step before (input.step): planned from its plan, read from its shards.
 cfg.register_run_mode("steps", step_configs, _warnings)
+plan.PLANNERS["step"] = step_manifest
+plan.INPUT_CHECKS.append(_check_input)
+plan.PLAN_CHECKS.append(_check_plan)
+sources.register_source(StepSource.kind, sources.SourceKind(StepSource.from_manifest))

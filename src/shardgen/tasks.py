@@ -36,11 +36,18 @@ from shardgen import config as cfg
 from shardgen import engine as eng
 from shardgen import heads, reasoning, rowsampling
 from shardgen.errors import ConfigError
-from shardgen.results import LABEL_PROB_TYPE, Columns, PoolingSpec, ResultSpec, Sample, choice_first_tokens
+from shardgen.results import (
+    LABEL_PROB_TYPE,
+    Columns,
+    Completion,
+    PoolingSpec,
+    ResultSpec,
+    Sample,
+    choice_first_tokens,
+)
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
-    from shardgen.feed import Completion
 
 
 @dataclass
