@@ -43,7 +43,7 @@ from shardgen.lora import Adapters
 from shardgen.multinode import WorkersLost
 from shardgen.openai_batch import served_urls
 from shardgen.outputs import ShardCheckpoint
-from shardgen.plan import Manifest, Shard, check_columns, work_order
+from shardgen.plan import Manifest, Shard, check_columns, holds, work_order
 from shardgen.prompts import PromptRenderer
 from shardgen.results import result_spec
 from shardgen.rundir import RunDir, committed_fingerprint
@@ -609,7 +609,7 @@ def committed(config: RunConfig, manifest: Manifest, shard: Shard, path: str | P
         recorded = json.loads(Path(stats).read_text())
     except (OSError, ValueError):
         return False
-    return splits.holds(recorded, shard)
+    return holds(recorded, shard)
 
 
 def main_generate(config, manifest, shards, output, stats, model_record=None, record=None, worker=None) -> int:

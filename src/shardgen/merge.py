@@ -22,13 +22,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from shardgen import cost, formats, heads, splits
+from shardgen import cost, formats, heads
 from shardgen.config import RunConfig, published_sampling
 from shardgen.errors import MergeError
 from shardgen.fetch import load_record
 from shardgen.io import Dir, atomic_write_text
 from shardgen.outputs import CONFIG_KEY, SHARD_KEY, count_problems, rows_per_input
-from shardgen.plan import Manifest, Shard
+from shardgen.plan import Manifest, Shard, run_shards
 from shardgen.results import DROPPED, result_spec
 from shardgen.rowsampling import logprobs_of
 from shardgen.rundir import RunDir
@@ -213,8 +213,7 @@ def merge(
     """
     manifest = Manifest.load(manifest_path)
     run_dir = RunDir(config.output.dir)
-    run_splits = splits.of_run(config)
-    shards = run_splits.all_pieces(manifest) if run_splits else manifest.shards
+    shards = run_shards(manifest, run_dir, bool(config.shards.workers))
     run, first, config_fp, checked = _check_shards(
         shards, run_dir, lambda version: config.fingerprint_with(version) if version else config.fingerprint
     )

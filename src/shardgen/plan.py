@@ -24,6 +24,7 @@ from shardgen.io import atomic_write_text
 from shardgen.outputs import check_input_columns
 from shardgen.prompts import PromptRenderer
 from shardgen.results import result_spec
+from shardgen.rundir import RunDir
 from shardgen.sources import Segment, Source, open_source, source_from_manifest
 
 if TYPE_CHECKING:
@@ -294,6 +295,29 @@ class Manifest:
             return self._by_id[shard_id]
         except KeyError:
             raise InputError(f"manifest: no shard '{shard_id}' (the plan has {len(self.shards)})") from None
+
+
+# -- The shards a run writes ----------------------------------------------------------------------------
+# A feature may divide the plan's shards while a run goes (splits: an idle worker's cut makes pieces). It
+# registers how to find a run's pieces now; every reader of a run's shards (a job, the merge, shardgen
+# status) asks ``run_shards``, never the feature.
+PIECES: list[Callable[[Manifest, RunDir, bool], list[Shard] | None]] = []
+
+
+def run_shards(manifest: Manifest, run_dir: RunDir, workers: bool = True) -> list[Shard]:
+    """The shards a run writes now, in row order: the plan's, or the pieces a feature divided them into.
+    ``workers``: whether the run has elastic workers (only they split: a run without them never sees a
+    cut an earlier run of workers made); ``shardgen status``, which has no config, looks either way."""
+    for pieces in PIECES:
+        if (found := pieces(manifest, run_dir, workers)) is not None:
+            return found
+    return manifest.shards
+
+
+def holds(stats: dict[str, Any], shard: Shard) -> bool:
+    """Whether a committed file's stats hold the shard's rows as they are now (not a file committed
+    before a later cut narrowed it); stats without a range are a plan shard's, its whole rows."""
+    return (stats.get("row_start", shard.start), stats.get("row_stop", shard.stop)) == (shard.start, shard.stop)
 
 
 def work_order(manifest: Manifest) -> list[str]:
