@@ -26,7 +26,6 @@ import os
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from shardgen.feed import ErrorBudget, RowInputs, RowStream, ShardFeed, ShardWor
 from shardgen.installed import vllm_version
 from shardgen.io import Dir, atomic_write_text
 from shardgen.lora import Adapters
+from shardgen.memory import OutOfMemory
 from shardgen.multinode import WorkersLost
 from shardgen.openai_batch import served_urls
 from shardgen.outputs import ShardCheckpoint
@@ -65,20 +65,6 @@ class Interrupted(ShardgenError):
             f"shard {shard_id}: stopped by {self.signal_name}; finished rows are saved and the next attempt "
             "resumes from them"
         )
-
-
-class OutOfMemory(ShardgenError):
-    """The engine ran out of memory; the next attempt takes one step from the settings this one used.
-
-    ``record``: the kind, the stage, the error and the settings, kept in the attempt's entry of
-    ``attempts.jsonl``.
-    """
-
-    outcome = records.OUT_OF_MEMORY
-
-    def __init__(self, message: str, record: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.record = record
 
 
 # -- Phase 1: prepare ---------------------------------------------------------------------------------
@@ -445,7 +431,7 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
         if engine.workers_lost:
             raise WorkersLost(f"shard {job.shard.id}: {engine.workers_lost}") from e
         used = memory.used_settings(settings.model, settings.memory_defaults)
-        _raise_if_memory(e, "engine start", used, log_start, layout)
+        memory.raise_if_memory(e, "engine start", used, log_start, layout)
         raise
     run.engine_seconds = time.time() - t0  # about 0 when the job's engine was running already
 
@@ -466,7 +452,7 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
             raise Interrupted(stop.signal, job.shard.id) from e
         if engine.workers_lost:
             raise WorkersLost(f"shard {job.shard.id}: {engine.workers_lost}") from e
-        _raise_if_memory(e, "generation", engine.memory_settings(), log_start, layout)
+        memory.raise_if_memory(e, "generation", engine.memory_settings(), log_start, layout)
         raise
     finally:
         run.generation_seconds = time.time() - t1
@@ -646,7 +632,7 @@ def main_generate(config, manifest, shards, output, stats, model_record=None, re
     return 0
 
 
-# -- Signals, memory failures, the attempt's record ---------------------------------------------------
+# -- Signals, the attempt's record --------------------------------------------------------------------
 
 
 class _StopFlag:
@@ -715,28 +701,6 @@ class _StopFlag:
         while self.signal is None and isinstance(error, EngineDeadError) and time.time() < deadline:
             time.sleep(0.05)  # the handler runs on this thread, between these sleeps
         return self.signal is not None
-
-
-def _raise_if_memory(
-    error: Exception, stage: str, used: dict[str, Any], log_start: int, layout: dict[str, Any]
-) -> None:
-    """When ``error`` was memory running out, raise ``OutOfMemory``: the attempt's record keeps the
-    kind of failure, the settings it used, from which the next attempt takes one step, and what
-    it loaded on (``memory.layout``)."""
-    # the engine core runs in a child process, which writes the real cause to the job's log
-    text = "".join(traceback.format_exception(error)) + jobinfo.own_log_tail(since=log_start)
-    kind = memory.failure_kind(text)
-    if kind is None:
-        return
-    record = {"kind": kind, "stage": stage, "error": f"{type(error).__name__}: {error}"[:500], "settings": used,
-              "layout": layout}  # fmt: skip
-    if kind == "weights_too_large":
-        raise OutOfMemory(f"the model's weights did not fit during {stage}: {memory.advice(kind)}", record) from error
-    raise OutOfMemory(
-        f"{kind.replace('_', ' ')} during {stage} with {used}; the next attempt uses "
-        f"{memory.next_settings(kind, used)}. If it keeps failing: {memory.advice(kind)}",
-        record,
-    ) from error
 
 
 def _now() -> str:

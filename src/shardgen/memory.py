@@ -41,7 +41,11 @@ independent of both.
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
+
+from shardgen import jobinfo, records
+from shardgen.errors import ShardgenError
 
 # What vLLM and PyTorch print, lower-cased, per failure kind (first match wins).
 FAILURE_PATTERNS = {
@@ -189,3 +193,40 @@ def advice(kind: str) -> str:
     if kind == "device_memory_short":
         return "another process holds GPU memory: lower model.gpu_memory_utilization, or ask Slurm for whole GPUs"
     return "lower model.max_num_seqs and model.max_num_batched_tokens, or use more GPUs (tensor_parallel_size)"
+
+
+# -- The error an attempt ends with -------------------------------------------------------------------
+
+
+class OutOfMemory(ShardgenError):
+    """The engine ran out of memory; the next attempt takes one step from the settings this one used.
+
+    ``record``: the kind, the stage, the error and the settings, kept in the attempt's entry of
+    ``attempts.jsonl``.
+    """
+
+    outcome = records.OUT_OF_MEMORY
+
+    def __init__(self, message: str, record: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.record = record
+
+
+def raise_if_memory(error: Exception, stage: str, used: dict[str, Any], log_start: int, layout: dict[str, Any]) -> None:
+    """When ``error`` was memory running out, raise ``OutOfMemory``: the attempt's record keeps the
+    kind of failure, the settings it used, from which the next attempt takes one step, and what
+    it loaded on (``layout``)."""
+    # the engine core runs in a child process, which writes the real cause to the job's log
+    text = "".join(traceback.format_exception(error)) + jobinfo.own_log_tail(since=log_start)
+    kind = failure_kind(text)
+    if kind is None:
+        return
+    record = {"kind": kind, "stage": stage, "error": f"{type(error).__name__}: {error}"[:500], "settings": used,
+              "layout": layout}  # fmt: skip
+    if kind == "weights_too_large":
+        raise OutOfMemory(f"the model's weights did not fit during {stage}: {advice(kind)}", record) from error
+    raise OutOfMemory(
+        f"{kind.replace('_', ' ')} during {stage} with {used}; the next attempt uses "
+        f"{next_settings(kind, used)}. If it keeps failing: {advice(kind)}",
+        record,
+    ) from error

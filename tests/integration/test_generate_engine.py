@@ -310,7 +310,7 @@ def test_out_of_memory_while_generating_keeps_the_finished_rows_and_the_retry_ha
     tmp_path, engine, monkeypatch
 ):
     """CUDA out of memory cannot happen on the CPU build: vLLM's message is raised from a step, as on a GPU."""
-    from shardgen.generate import OutOfMemory
+    from shardgen.memory import OutOfMemory
 
     config, manifest = plan(
         tmp_path, make_rows(16), shards={"rows_per_shard": 16}, checkpoint={"rows": 10_000, "seconds": 3600}
