@@ -23,7 +23,6 @@ import datetime
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -49,22 +48,10 @@ from shardgen.results import result_spec
 from shardgen.rundir import RunDir, committed_fingerprint
 from shardgen.sources import Source
 from shardgen.stats import AttemptCounters, shard_stats
+from shardgen.stopflag import Interrupted, StopFlag
 from shardgen.tasks import make_task
 
 log = logging.getLogger(__name__)
-
-
-class Interrupted(ShardgenError):
-    """The job was asked to stop (SIGTERM, SIGINT); finished rows are saved."""
-
-    outcome = records.INTERRUPTED
-
-    def __init__(self, signum: int, shard_id: str) -> None:
-        self.signal_name = signal.Signals(signum).name
-        super().__init__(
-            f"shard {shard_id}: stopped by {self.signal_name}; finished rows are saved and the next attempt "
-            "resumes from them"
-        )
 
 
 # -- Phase 1: prepare ---------------------------------------------------------------------------------
@@ -327,7 +314,7 @@ def run_shard(
     model_record: dict[str, Any] | None = None,
     window: int | None = None,
     guard: Callable[[], None] | None = None,
-    stop: _StopFlag | None = None,
+    stop: StopFlag | None = None,
 ) -> dict[str, Any]:
     """Generate one shard and commit its output and stats. Returns the stats.
 
@@ -350,7 +337,7 @@ def run_shard(
     own = engine is None
     engine = engine or Engine()
     try:
-        with contextlib.nullcontext(stop) if stop is not None else _StopFlag() as stop:
+        with contextlib.nullcontext(stop) if stop is not None else StopFlag() as stop:
             if stop():
                 raise Interrupted(stop.signal, shard_id)
             with contextlib.nullcontext() if guard else _own(config, shard_id, stop) as claim:
@@ -381,7 +368,7 @@ def run_shard(
 
 
 @contextlib.contextmanager
-def _own(config: RunConfig, shard_id: str, stop: _StopFlag) -> Iterator[Any]:
+def _own(config: RunConfig, shard_id: str, stop: StopFlag) -> Iterator[Any]:
     """This job's claim on a shard (``claims.ClaimBoard.acquire``), its heartbeat renewed while it runs:
     a retry overlapping its dying attempt, or a rerun's job beside an orphan of a killed controller,
     waits until the other is gone instead of writing beside it. A signal stops the wait."""
@@ -397,7 +384,7 @@ def _own(config: RunConfig, shard_id: str, stop: _StopFlag) -> Iterator[Any]:
         board.close()
 
 
-def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounters, window: int | None) -> AttemptRun:
+def _run(job: ShardJob, engine: Engine, stop: StopFlag, counters: AttemptCounters, window: int | None) -> AttemptRun:
     """Phases 2 and 3: the engine for this job's GPUs, then the feed of the remaining rows."""
     log_start = jobinfo.own_log_size()  # what this attempt writes to the job's log comes after
     failures = job.memory_failures()
@@ -484,7 +471,7 @@ def run_shards(
     engine = engine or Engine()
     done = []
     try:
-        with _StopFlag() as stop:  # one for the job: a signal between two shards stops the next
+        with StopFlag() as stop:  # one for the job: a signal between two shards stops the next
             for shard_id in shard_ids:
                 out, stats = run_dir.shard_file(shard_id), run_dir.shard_stats(shard_id)
                 if committed(config, manifest, manifest.shard(shard_id), out, stats):
@@ -521,7 +508,7 @@ def run_worker(
     manifest = Manifest.load(manifest_path)
     run_dir = RunDir(config.output.dir)
     holder = Holder.here(worker)
-    stop = _StopFlag()  # one for the job: a signal between two shards, or during a wait, stops it
+    stop = StopFlag()  # one for the job: a signal between two shards, or during a wait, stops it
     board = ClaimBoard(run_dir.claims, holder, config.shards.lease_seconds, below=run_dir.root,
                        sleep=lambda seconds: stop.sleep(seconds, "(none claimed)"))  # fmt: skip
     own = engine is None
@@ -632,75 +619,7 @@ def main_generate(config, manifest, shards, output, stats, model_record=None, re
     return 0
 
 
-# -- Signals, the attempt's record --------------------------------------------------------------------
-
-
-class _StopFlag:
-    """Set by SIGTERM/SIGINT while installed; the feed loop polls it."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self._previous: dict[int, Any] = {}
-        self._raise_for: str | None = None  # the shard whose engine is starting
-
-    def __call__(self) -> bool:
-        return self.signal is not None
-
-    def _handler(self, signum, _frame) -> None:
-        if self.signal is None:
-            log.warning("received %s: stopping after saving finished rows", signal.Signals(signum).name)
-        self.signal = signum
-        if self._raise_for is not None:
-            shard_id, self._raise_for = self._raise_for, None
-            raise Interrupted(signum, shard_id)
-
-    @contextlib.contextmanager
-    def raising(self, shard_id: str) -> Iterator[None]:
-        """Within: a signal raises ``Interrupted`` at once, and one that came before stops here.
-
-        For the engine's start (minutes on a GPU): Slurm sends SIGKILL KillWait seconds (30 by
-        default) after its SIGTERM, and a start that ran on until the feed loop polls the flag
-        would be killed with the attempt unrecorded. vLLM's client shuts the engine's processes
-        down when its constructor raises (``MPClient.__init__``, ``vllm/v1/engine/core_client.py``),
-        as for a Ctrl-C during the start.
-        """
-        if self.signal is not None:
-            raise Interrupted(self.signal, shard_id)
-        self._raise_for = shard_id
-        try:
-            yield
-        finally:
-            self._raise_for = None
-
-    def sleep(self, seconds: float, shard_id: str) -> None:
-        """Wait ``seconds``, or raise ``Interrupted`` as soon as a signal has come."""
-        end = time.monotonic() + seconds
-        while self.signal is None and (left := end - time.monotonic()) > 0:
-            time.sleep(min(left, 0.5))
-        if self.signal is not None:
-            raise Interrupted(self.signal, shard_id)
-
-    def __enter__(self) -> _StopFlag:
-        for s in self.SIGNALS:
-            self._previous[s] = signal.signal(s, self._handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, h in self._previous.items():
-            signal.signal(s, h)
-
-    def caused(self, error: Exception, grace_s: float = 2.0) -> bool:
-        """Whether ``error`` is the signal's doing: Slurm signals every process of a job (scancel, the time
-        limit), so vLLM's engine core gets the SIGTERM too and may die before this process's handler
-        has run; the engine's death is then the stop, not a failure (seen on the local Slurm)."""
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        deadline = time.time() + grace_s
-        while self.signal is None and isinstance(error, EngineDeadError) and time.time() < deadline:
-            time.sleep(0.05)  # the handler runs on this thread, between these sleeps
-        return self.signal is not None
+# -- The attempt's record -----------------------------------------------------------------------------------
 
 
 def _now() -> str:

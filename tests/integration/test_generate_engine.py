@@ -16,10 +16,11 @@ from shardgen import engine as eng
 from shardgen.engine import Engine
 from shardgen.errors import InputError
 from shardgen.feed import TooManyErrors
-from shardgen.generate import Interrupted, run_shard
+from shardgen.generate import run_shard
 from shardgen.outputs import ShardCheckpoint
 from shardgen.plan import write_manifest
 from shardgen.rundir import RunDir
+from shardgen.stopflag import Interrupted
 from tests.conftest import base_config, changed, make_rows, write_parquet
 from tests.integration.workflow import part_rows
 

@@ -10,12 +10,12 @@ import pytest
 
 from shardgen import generate
 from shardgen.engine import Engine
-from shardgen.generate import Interrupted
+from shardgen.stopflag import Interrupted, StopFlag
 
 
 def test_a_signal_during_one_shard_of_a_job_stops_the_next_before_it_starts(tmp_path):
     running = Engine(llm=object())  # a running engine the job was handed: never started or stopped here
-    with generate._StopFlag() as stop:
+    with StopFlag() as stop:
         os.kill(os.getpid(), signal.SIGTERM)  # as Slurm's, arriving while the previous shard commits
         with pytest.raises(Interrupted, match="shard 00001: stopped by SIGTERM"):
             # nothing of the shard is read or written: its plan does not even exist

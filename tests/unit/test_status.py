@@ -107,6 +107,7 @@ def test_status_reads_the_attempts_the_job_writes_and_any_failure_an_error_decla
     from shardgen.outputs import ShardCheckpoint
     from shardgen.records import AttemptStart
     from shardgen.results import ResultSpec
+    from shardgen.stopflag import Interrupted
 
     class Preempted(ShardgenError):
         outcome = "preempted_for_good"
@@ -115,7 +116,7 @@ def test_status_reads_the_attempts_the_job_writes_and_any_failure_an_error_decla
     (tmp_path / "plan").mkdir()
     (tmp_path / "plan" / "manifest.json").write_text(json.dumps({"version": 1, "total_rows": 40, "shards": shards}))
     schema = ResultSpec({}).schema(pa.schema([pa.field("text", pa.string())]), "fp", "cfg", "00000")
-    ends = [RuntimeError("boom"), Preempted("gone"), generate.Interrupted(15, "00002"), None]
+    ends = [RuntimeError("boom"), Preempted("gone"), Interrupted(15, "00002"), None]
     for shard, error in zip(shards, ends, strict=True):
         ck = ShardCheckpoint(tmp_path / "checkpoints" / shard["id"], shard["start"], shard["stop"], schema)
         ck.log_attempt(AttemptStart(1, "2026-01-01T00:00:00+00:00", "n1", 1, {"job_id": "7"}, 0))
