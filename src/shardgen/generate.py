@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from shardgen import heads, jobenv, jobinfo, memory, multinode, records, splits
-from shardgen.config import RunConfig, content_config, digest, warnings
+from shardgen.config import RunConfig, warnings
 from shardgen.engine import Engine, EngineSettings, engine_kwargs
 from shardgen.errors import ShardgenError
 from shardgen.feed import ErrorBudget, RowInputs, RowStream, ShardFeed, ShardWork
+from shardgen.identity import shard_fingerprint
 from shardgen.installed import vllm_version
 from shardgen.io import Dir, atomic_write_text
 from shardgen.lora import Adapters
@@ -55,22 +56,6 @@ log = logging.getLogger(__name__)
 
 
 # -- Phase 1: prepare ---------------------------------------------------------------------------------
-
-
-def shard_fingerprint(config: RunConfig, manifest: Manifest, shard: Shard) -> str:
-    """Everything that decides the shard's content: its input rows and the content config."""
-    src = manifest.data["source"]
-    if "files" in src:  # Parquet files, OpenAI batch files: each by its path, size and modification time
-        inputs: Any = [
-            {k: src["files"][s.file][k] for k in ("path", "size", "mtime_ns")} | {"start": s.start, "stop": s.stop}
-            for s in shard.segments
-        ]
-    elif src["kind"] == "step":  # the committed shard of the step before: its own fingerprint
-        source = manifest.source()
-        inputs = {"step": [source.file_fingerprint(s.file) for s in shard.segments], "start": shard.start}
-    else:
-        inputs = {"fingerprint": src["fingerprint"], "start": shard.start, "stop": shard.stop}
-    return digest({"config": content_config(config.raw), "rows": inputs})
 
 
 # What the stats (and the output's provenance) keep of the model record.
