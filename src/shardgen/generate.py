@@ -32,11 +32,10 @@ from typing import Any
 
 from shardgen import heads, jobenv, jobinfo, memory, multinode, records, splits
 from shardgen.config import RunConfig, warnings
-from shardgen.engine import Engine, EngineSettings, engine_kwargs
+from shardgen.engine import Engine, EngineSettings
 from shardgen.errors import ShardgenError
 from shardgen.feed import ErrorBudget, RowInputs, RowStream, ShardFeed, ShardWork
 from shardgen.identity import shard_fingerprint
-from shardgen.installed import vllm_version
 from shardgen.io import Dir, atomic_write_text
 from shardgen.lora import Adapters
 from shardgen.memory import OutOfMemory
@@ -48,7 +47,7 @@ from shardgen.prompts import PromptRenderer
 from shardgen.results import result_spec
 from shardgen.rundir import RunDir, committed_fingerprint
 from shardgen.sources import Source
-from shardgen.stats import AttemptCounters, shard_stats
+from shardgen.stats import AttemptCounters, shard_record
 from shardgen.stopflag import Interrupted, StopFlag
 from shardgen.tasks import make_task
 
@@ -56,10 +55,6 @@ log = logging.getLogger(__name__)
 
 
 # -- Phase 1: prepare ---------------------------------------------------------------------------------
-
-
-# What the stats (and the output's provenance) keep of the model record.
-MODEL_SOURCE_KEYS = ("source", "path", "repo_id", "revision", "commit", "digest")
 
 
 @dataclass
@@ -214,7 +209,7 @@ class ShardJob:
         out: dict[str, Any] = {}
 
         def write_stats(table: Any) -> None:
-            out.update(self._stats(table, history, run))
+            out.update(shard_record(self, run, table, history, multinode.job_nodes(), multinode.node_name()))
             atomic_write_text(stats_path, json.dumps(out, indent=1, default=str) + "\n", below=self.config.output.dir)
 
         with Dir.open(Path(output).parent, below=self.config.output.dir) as shards:  # a killed commit's
@@ -222,55 +217,6 @@ class ShardJob:
                 shards.remove_leftovers(name)
         self.ckpt.commit(output, write_stats)
         return out
-
-    def _stats(self, table: Any, history: list[records.Attempt], run: AttemptRun) -> dict[str, Any]:
-        settings = run.settings
-        stats = shard_stats(
-            self.shard,
-            table,
-            len(self.done),
-            run.counters,
-            run.engine_seconds,
-            run.generation_seconds,
-            time.time() - self.started,
-            self.config.model.gpus,
-            run.engine_delta,
-            self.config.task,
-        )
-        slurm = self.attempt.slurm
-        stats.update(
-            fingerprint=self.fingerprint,
-            config_fingerprint=self.config.fingerprint,
-            feed=run.feed,
-            checkpoints_discarded=self.ckpt.discarded,
-            engine={
-                "vllm_version": vllm_version(),
-                "args": engine_kwargs(settings.model),
-                "environment": settings.environment,
-                "batch_invariant": bool(settings.model.get("batch_invariant")),
-            },
-            attempts=[a.as_dict() for a in history],
-            memory_failures=self.memory_failures(),
-            memory_overrides=settings.memory_overrides,
-            gpu_devices=settings.gpus,
-            gpu_model=", ".join(sorted({g.get("name") or "?" for g in settings.gpus})) or None,
-            precision=settings.precision,
-            model_source={k: self.model_record.get(k) for k in MODEL_SOURCE_KEYS},
-            lora_adapters={
-                name: {k: a.get(k) for k in ("source", "path", "repo_id", "commit")}
-                for name, a in (self.model_record.get("adapters") or {}).items()
-            },
-            peak_rss_mib=jobinfo.peak_rss_mib(),
-            host=self.attempt.host,
-            nodes=self.config.resources.nodes,  # the engine's; gpus and gpu_hours count all of theirs
-            node_names=multinode.job_nodes() or [self.attempt.host],
-            node_gpus={multinode.node_name(): settings.gpus, **run.worker_gpus} if run.worker_gpus else None,
-            slurm=slurm,
-            queue_wait_seconds=slurm.get("queue_wait_seconds"),
-            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-            thread_env_removed=self.removed_env,
-        )
-        return stats
 
 
 @dataclass
