@@ -232,6 +232,29 @@ class AttemptRun:
     worker_gpus: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # the engine's other nodes'
 
 
+@dataclass
+class JobContext:
+    """What a job hands each of its shards besides the shard itself.
+
+    Attributes:
+        engine: the job's engine handle; by default one that starts for the shard and stops at its
+            end (a job's shards share one, tests share a running one).
+        model_record: where the fetch step found the model (``fetch.resolve_model``); when None, it
+            is looked up on the local disk only.
+        window: requests kept in flight (default: twice the engine's ``max_num_seqs``).
+        guard: called before every write of the shard's files: an elastic worker's claim check. Without
+            one, the job owns the shard through a claim of its own (``_own``) before it reads anything.
+        stop: the job's stop flag, when the job runs several shards: a signal that came during an
+            earlier shard (its commit, say) stops this one before it starts. By default one of its own.
+    """
+
+    engine: Engine | None = None
+    model_record: dict[str, Any] | None = None
+    window: int | None = None
+    guard: Callable[[], None] | None = None
+    stop: StopFlag | None = None
+
+
 # -- The job: the four phases -------------------------------------------------------------------------
 
 
@@ -241,37 +264,28 @@ def run_shard(
     shard_id: str,
     output: str | Path,
     stats_path: str | Path,
-    engine: Engine | None = None,
-    model_record: dict[str, Any] | None = None,
-    window: int | None = None,
-    guard: Callable[[], None] | None = None,
-    stop: StopFlag | None = None,
+    context: JobContext | None = None,
 ) -> dict[str, Any]:
     """Generate one shard and commit its output and stats. Returns the stats.
 
     Args:
-        engine: the job's engine handle; by default one that starts here and
-            stops at the end (a job's shards share one, tests share a running one).
-        model_record: where the fetch step found the model (``fetch.resolve_model``);
-            when None, it is looked up on the local disk only.
-        window: requests kept in flight (default: twice the engine's ``max_num_seqs``).
-        guard: called before every write of the shard's files: an elastic worker's claim check. Without
-            one, the job owns the shard through a claim of its own (``_own``) before it reads anything.
-        stop: the job's stop flag, when the job runs several shards: a signal that came during an
-            earlier shard (its commit, say) stops this one before it starts. By default one of its own.
+        context: the job's engine, model record, window, guard and stop flag (``JobContext``); by
+            default the shard starts an engine and installs a stop flag of its own.
 
     Raises:
         Interrupted: SIGTERM or SIGINT arrived; finished rows are saved.
         OutOfMemory: the engine ran out of memory; the next attempt takes a step.
         TooManyErrors, WrongGpus, InputError: as their messages say.
     """
-    own = engine is None
-    engine = engine or Engine()
+    context = context or JobContext()
+    own = context.engine is None
+    engine = context.engine or Engine()
     try:
-        with contextlib.nullcontext(stop) if stop is not None else StopFlag() as stop:
+        with contextlib.nullcontext(context.stop) if context.stop is not None else StopFlag() as stop:
             if stop():
                 raise Interrupted(stop.signal, shard_id)
-            with contextlib.nullcontext() if guard else _own(config, shard_id, stop) as claim:
+            context = dataclasses.replace(context, engine=engine, stop=stop)
+            with contextlib.nullcontext() if context.guard else _own(config, shard_id, stop) as claim:
                 if claim is not None and Path(output).exists():  # written since Snakemake started this job
                     manifest = Manifest.load(manifest_path)
                     if committed(config, manifest, manifest.shard(shard_id), output, stats_path):
@@ -279,10 +293,11 @@ def run_shard(
                         log.info("shard %s: committed meanwhile by the job that held it; kept", shard_id)
                         claim.release()
                         return json.loads(Path(stats_path).read_text())
-                job = ShardJob.prepare(config, manifest_path, shard_id, model_record, guard or claim.check)
+                guard = context.guard or claim.check
+                job = ShardJob.prepare(config, manifest_path, shard_id, context.model_record, guard)
                 counters = AttemptCounters()
                 try:
-                    run = _run(job, engine, stop, counters, window)
+                    run = _run(job, context, counters)
                     stats = job.commit(output, stats_path, run)
                 except BaseException as e:
                     job.record_end(e, counters)
@@ -315,8 +330,10 @@ def _own(config: RunConfig, shard_id: str, stop: StopFlag) -> Iterator[Any]:
         board.close()
 
 
-def _run(job: ShardJob, engine: Engine, stop: StopFlag, counters: AttemptCounters, window: int | None) -> AttemptRun:
-    """Phases 2 and 3: the engine for this job's GPUs, then the feed of the remaining rows."""
+def _run(job: ShardJob, context: JobContext, counters: AttemptCounters) -> AttemptRun:
+    """Phases 2 and 3: the engine for this job's GPUs, then the feed of the remaining rows.
+
+    ``context`` holds the job's engine and stop flag (``run_shard`` fills in its defaults)."""
     log_start = jobinfo.own_log_size()  # what this attempt writes to the job's log comes after
     failures = job.memory_failures()
     settings = EngineSettings.for_job(job.config, job.model_record, failures)
@@ -335,7 +352,17 @@ def _run(job: ShardJob, engine: Engine, stop: StopFlag, counters: AttemptCounter
         raise OutOfMemory(f"shard {job.shard.id}: the model's weights did not fit in the last attempt, on the same "
                           f"GPUs with the same model and parallelism ({layout}); not loaded again. "
                           f"{memory.advice('weights_too_large')}", failed)  # fmt: skip
+    llm = _start_engine(job, context, run, log_start, layout)
+    _feed(job, context, run, llm, log_start, layout)
+    return run
 
+
+def _start_engine(job: ShardJob, context: JobContext, run: AttemptRun, log_start: int, layout: dict[str, Any]) -> Any:
+    """Phase 2: the engine with the attempt's settings (``run.settings``); returns vLLM's ``LLM``.
+
+    ``log_start`` and ``layout``: where this attempt's part of the job's log begins, and what the
+    model is loaded on, for the record of a memory failure (``memory.raise_if_memory``)."""
+    engine, stop, settings = context.engine, context.stop, run.settings
     jobenv.apply(settings.environment)  # before vLLM starts its processes, which inherit it
     t0 = time.time()
     try:
@@ -352,15 +379,22 @@ def _run(job: ShardJob, engine: Engine, stop: StopFlag, counters: AttemptCounter
         memory.raise_if_memory(e, "engine start", used, log_start, layout)
         raise
     run.engine_seconds = time.time() - t0  # about 0 when the job's engine was running already
+    return llm
 
-    tokenizer = engine.tokenizer(job.config.kind.generates, job.config.prompt.chat_template_kwargs)
+
+def _feed(
+    job: ShardJob, context: JobContext, run: AttemptRun, llm: Any, log_start: int, layout: dict[str, Any]
+) -> None:
+    """Phase 3: the remaining rows through the engine's ``llm``, and what the feed and the engine counted."""
+    engine, stop, config = context.engine, context.stop, job.config
+    tokenizer = engine.tokenizer(config.kind.generates, config.prompt.chat_template_kwargs)
     job.renderer.max_chars = tokenizer.max_prompt_chars
-    task = make_task(job.config, tokenizer, job.head)
+    task = make_task(config, tokenizer, job.head)
     loras = job.model_record.get("adapters") or {}
-    adapters = Adapters(job.config.lora, loras, settings.build) if job.config.lora.adapters else None
-    urls = served_urls(job.config)
-    inputs = RowInputs(adapters, job.config.prompt.images, urls, step=job.config.input.step is not None)
-    feed = ShardFeed(job.work(), task, tokenizer, llm, stop, counters, window, inputs)
+    adapters = Adapters(config.lora, loras, run.settings.build) if config.lora.adapters else None
+    urls = served_urls(config)
+    inputs = RowInputs(adapters, config.prompt.images, urls, step=config.input.step is not None)
+    feed = ShardFeed(job.work(), task, tokenizer, llm, stop, run.counters, context.window, inputs)
     before = engine.counters()
     t1 = time.time()
     try:
@@ -380,35 +414,35 @@ def _run(job: ShardJob, engine: Engine, stop: StopFlag, counters: AttemptCounter
         run.worker_gpus = engine.worker_gpus
     if stop():
         raise Interrupted(stop.signal, job.shard.id)
-    return run
 
 
 def run_shards(
-    config: RunConfig,
-    manifest_path: str | Path,
-    shard_ids: list[str],
-    model_record: dict[str, Any] | None = None,
-    engine: Engine | None = None,
+    config: RunConfig, manifest_path: str | Path, shard_ids: list[str], context: JobContext | None = None
 ) -> list[dict[str, Any]]:
     """Several shards in one job with one engine start, each as ``run_shard`` does it.
 
     A shard already committed with this config and input is kept: a retry of
     a job that died after some of its shards goes on with the rest.
     Returns the stats of the shards generated now.
+
+    Args:
+        context: the job's engine and model record (``JobContext``); the job installs its own stop flag.
     """
     manifest = Manifest.load(manifest_path)
     run_dir = RunDir(config.output.dir)
-    own = engine is None
-    engine = engine or Engine()
+    context = context or JobContext()
+    own = context.engine is None
+    engine = context.engine or Engine()
     done = []
     try:
         with StopFlag() as stop:  # one for the job: a signal between two shards stops the next
+            context = dataclasses.replace(context, engine=engine, stop=stop)
             for shard_id in shard_ids:
                 out, stats = run_dir.shard_file(shard_id), run_dir.shard_stats(shard_id)
                 if committed(config, manifest, manifest.shard(shard_id), out, stats):
                     log.info("shard %s: already committed with this configuration; kept", shard_id)
                     continue
-                done.append(run_shard(config, manifest_path, shard_id, out, stats, engine, model_record, stop=stop))
+                done.append(run_shard(config, manifest_path, shard_id, out, stats, context))
     finally:
         if own:
             engine.close()
@@ -477,9 +511,9 @@ def run_worker(
                         claim.release()
                         continue
                     try:
+                        shard_context = JobContext(engine, model_record, guard=claim.check, stop=stop)
                         run_shard(config, manifest_path, shard_id, run_dir.shard_file(shard_id),
-                                  run_dir.shard_stats(shard_id), engine, model_record,
-                                  guard=claim.check, stop=stop)  # fmt: skip
+                                  run_dir.shard_stats(shard_id), shard_context)  # fmt: skip
                     except ClaimLost as e:
                         log.warning("%s", e)
                         record["lost"].append(shard_id)
@@ -533,9 +567,9 @@ def main_generate(config, manifest, shards, output, stats, model_record=None, re
             return 0
         if record is None:
             (shard,) = shards
-            done = [run_shard(config, manifest, shard, output, stats, model_record=model)]
+            done = [run_shard(config, manifest, shard, output, stats, JobContext(model_record=model))]
         else:
-            done = run_shards(config, manifest, shards, model)
+            done = run_shards(config, manifest, shards, JobContext(model_record=model))
     except Interrupted as e:
         print(f"shardgen: {e}", file=sys.stderr)
         return 3

@@ -10,6 +10,7 @@ import pytest
 
 from shardgen import generate
 from shardgen.engine import Engine
+from shardgen.generate import JobContext
 from shardgen.stopflag import Interrupted, StopFlag
 
 
@@ -20,7 +21,7 @@ def test_a_signal_during_one_shard_of_a_job_stops_the_next_before_it_starts(tmp_
         with pytest.raises(Interrupted, match="shard 00001: stopped by SIGTERM"):
             # nothing of the shard is read or written: its plan does not even exist
             generate.run_shard(None, tmp_path / "no-plan.json", "00001", tmp_path / "out", tmp_path / "stats",
-                               engine=running, stop=stop)  # fmt: skip
+                               JobContext(engine=running, stop=stop))  # fmt: skip
     assert not any(tmp_path.iterdir())
 
 
@@ -108,8 +109,8 @@ def _run_worker_without_engine(config, run_dir, monkeypatch) -> tuple[dict, list
     checks its claim, as every write does, and says it ran."""
     ran = []
 
-    def run_shard(config, manifest_path, shard_id, output, stats, engine, model_record, guard, stop):
-        guard()
+    def run_shard(config, manifest_path, shard_id, output, stats, context):
+        context.guard()
         ran.append(shard_id)
         return {}
 
