@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return main_preflight(_load(args.config), args.manifest, args.report, args.model_record)
         if args.command == "generate":
-            from shardgen.generate import main_generate
+            from shardgen import workers
 
             one = args.record is None
             if args.worker is not None and one:
@@ -130,16 +130,13 @@ def main(argv: list[str] | None = None) -> int:
                 one == (args.output is None or args.stats is None) or (one and len(args.shard) != 1)
             ):
                 raise ShardgenError("generate: give --output and --stats for one shard, or --record for several")
-            return main_generate(
-                _load(args.config),
-                args.manifest,
-                args.shard,
-                args.output,
-                args.stats,
-                args.model_record,
-                args.record,
-                args.worker,
-            )
+            config = _load(args.config)
+            if args.worker is not None:
+                return workers.main_worker(config, args.manifest, args.worker, args.record, args.model_record)
+            if one:
+                (shard,) = args.shard
+                return workers.main_shard(config, args.manifest, shard, args.output, args.stats, args.model_record)
+            return workers.main_shards(config, args.manifest, args.shard, args.record, args.model_record)
         if args.command == "push":
             from shardgen.merge import push
 

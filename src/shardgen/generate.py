@@ -23,10 +23,9 @@ import datetime
 import json
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -416,124 +415,7 @@ def _feed(
         raise Interrupted(stop.signal, job.shard.id)
 
 
-def run_shards(
-    config: RunConfig, manifest_path: str | Path, shard_ids: list[str], context: JobContext | None = None
-) -> list[dict[str, Any]]:
-    """Several shards in one job with one engine start, each as ``run_shard`` does it.
-
-    A shard already committed with this config and input is kept: a retry of
-    a job that died after some of its shards goes on with the rest.
-    Returns the stats of the shards generated now.
-
-    Args:
-        context: the job's engine and model record (``JobContext``); the job installs its own stop flag.
-    """
-    manifest = Manifest.load(manifest_path)
-    run_dir = RunDir(config.output.dir)
-    context = context or JobContext()
-    own = context.engine is None
-    engine = context.engine or Engine()
-    done = []
-    try:
-        with StopFlag() as stop:  # one for the job: a signal between two shards stops the next
-            context = dataclasses.replace(context, engine=engine, stop=stop)
-            for shard_id in shard_ids:
-                out, stats = run_dir.shard_file(shard_id), run_dir.shard_stats(shard_id)
-                if committed(config, manifest, manifest.shard(shard_id), out, stats):
-                    log.info("shard %s: already committed with this configuration; kept", shard_id)
-                    continue
-                done.append(run_shard(config, manifest_path, shard_id, out, stats, context))
-    finally:
-        if own:
-            engine.close()
-    return done
-
-
-def run_worker(
-    config: RunConfig,
-    manifest_path: str | Path,
-    worker: int,
-    model_record: dict[str, Any] | None = None,
-    engine: Engine | None = None,
-) -> dict[str, Any]:
-    """One elastic worker (``shards.workers``): claim shards and run each as ``run_shard`` does, on one
-    engine, until no shard is left for this worker (``claims.ClaimBoard.next``). Returns the worker's
-    record: the shards it committed, took over or lost, its engine starts and where its time went.
-
-    Raises:
-        Interrupted: SIGTERM or SIGINT; the shard's rows are saved and its claim kept for this worker's
-            retry (or, after the lease, another worker). A worker waiting for a silent claim's lease to
-            run out stops at once.
-        OutOfMemory, TooManyErrors, ...: a shard failed; its claim is marked failed, so only this
-            worker's retry tries it again.
-    """
-    from shardgen.claims import ClaimBoard, ClaimLost, Holder
-
-    started = time.time()
-    manifest = Manifest.load(manifest_path)
-    run_dir = RunDir(config.output.dir)
-    holder = Holder.here(worker)
-    stop = StopFlag()  # one for the job: a signal between two shards, or during a wait, stops it
-    board = ClaimBoard(run_dir.claims, holder, config.shards.lease_seconds, below=run_dir.root,
-                       sleep=lambda seconds: stop.sleep(seconds, "(none claimed)"))  # fmt: skip
-    own = engine is None
-    engine = engine or Engine()
-    record: dict[str, Any] = {"worker": worker, "host": holder.host, "job_id": holder.job_id, "committed": [],
-                              "kept": [], "taken_over": [], "lost": []}  # fmt: skip
-    done: set[str] = set()
-    order = work_order(manifest)  # largest estimated work first
-    run_splits = splits.of_run(config)
-    thief = None
-    if run_splits is not None and config.shards.split_seconds > 0:
-        thief = splits.Thief(run_splits, run_dir, asdict(holder), config.shards.split_seconds,
-                             sleep=lambda seconds: stop.sleep(seconds, "(asking for a split)"))  # fmt: skip
-
-    def work() -> list[str]:  # the plan's shards, then the pieces splits made
-        return order + run_splits.new_pieces(manifest) if run_splits else order
-
-    def is_done(shard_id: str) -> bool:
-        if shard_id not in done:  # a committed shard is not looked at again (nor its cuts listed)
-            files = run_dir.shard_file(shard_id), run_dir.shard_stats(shard_id)
-            shard = run_splits.piece(manifest, shard_id) if run_splits else manifest.shard(shard_id)
-            if committed(config, manifest, shard, *files):
-                done.add(shard_id)
-        return shard_id in done
-
-    try:
-        with stop:
-            while (claim := board.next(work, is_done, thief.steal if thief else None)) is not None:
-                with claim:
-                    shard_id = claim.shard
-                    if claim.took_over and claim.took_over.get("worker") != worker:
-                        record["taken_over"].append(shard_id)
-                    if is_done(shard_id):
-                        record["kept"].append(shard_id)
-                        claim.release()
-                        continue
-                    try:
-                        shard_context = JobContext(engine, model_record, guard=claim.check, stop=stop)
-                        run_shard(config, manifest_path, shard_id, run_dir.shard_file(shard_id),
-                                  run_dir.shard_stats(shard_id), shard_context)  # fmt: skip
-                    except ClaimLost as e:
-                        log.warning("%s", e)
-                        record["lost"].append(shard_id)
-                        continue
-                    except Interrupted:
-                        raise
-                    except BaseException as e:
-                        claim.mark_failed(e)
-                        raise
-                    done.add(shard_id)
-                    record["committed"].append(shard_id)
-                    claim.release()
-    finally:
-        board.close()
-        if run_splits is not None:
-            run_splits.close()
-        if own:
-            engine.close()
-    record.update(engine_starts=engine.starts, seconds=time.time() - started, splits_asked=thief.asked if thief else 0)
-    return record
+# -- The run's shards: which are committed, and what an elastic worker may claim ----------------------
 
 
 def committed(config: RunConfig, manifest: Manifest, shard: Shard, path: str | Path, stats: str | Path) -> bool:
@@ -550,38 +432,45 @@ def committed(config: RunConfig, manifest: Manifest, shard: Shard, path: str | P
     return splits.holds(recorded, shard)
 
 
-def main_generate(config, manifest, shards, output, stats, model_record=None, record=None, worker=None) -> int:
-    """One shard (``output``, ``stats``), several in one job (and the job's ``record``), or an elastic
-    worker (``worker`` and its ``record``); several shards go where the run directory keeps them."""
-    from shardgen.fetch import load_record
+class WorkerShards:
+    """What an elastic worker (``shards.workers``) may claim, for ``claims.ClaimBoard.next``: the plan's
+    shards, largest estimated work first, then the pieces splits made of them (``splits``); which of
+    them are committed; and, with ``shards.split_seconds``, its requests for a split (``splits.Thief``).
 
-    model = load_record(model_record) if model_record else None
-    job = os.environ.get("SLURM_JOB_ID")
-    log.info("start on %s%s (pid %d)", jobinfo.host(), f", Slurm job {job}" if job else "", os.getpid())
-    try:
-        if worker is not None:
-            result = run_worker(config, manifest, worker, model)
-            atomic_write_text(record, json.dumps(result, indent=1) + "\n")
-            print(f"worker {worker}: {len(result['committed'])} shard(s) committed, "
-                  f"{len(result['taken_over'])} taken over, {len(result['lost'])} lost", file=sys.stderr)  # fmt: skip
-            return 0
-        if record is None:
-            (shard,) = shards
-            done = [run_shard(config, manifest, shard, output, stats, JobContext(model_record=model))]
-        else:
-            done = run_shards(config, manifest, shards, JobContext(model_record=model))
-    except Interrupted as e:
-        print(f"shardgen: {e}", file=sys.stderr)
-        return 3
-    for s in done:
-        print(
-            f"shard {s['shard']}: {s['rows']} rows ({s['errors']} errors, {s['rows_resumed']} resumed), "
-            f"{s['output_tokens_per_s'] or 0:.1f} output tok/s",
-            file=sys.stderr,
-        )
-    if record is not None:
-        atomic_write_text(record, json.dumps({"shards": shards, "generated_now": [s["shard"] for s in done]}) + "\n")
-    return 0
+    ``who`` is the worker's claim holder, ``sleep`` how its requests wait for an answer."""
+
+    def __init__(self, config: RunConfig, manifest: Manifest, who: dict[str, Any], sleep: Callable[[float], None]):
+        self.config, self.manifest = config, manifest
+        self.run_dir = RunDir(config.output.dir)
+        self.done: set[str] = set()
+        self.order = work_order(manifest)  # largest estimated work first
+        self.splits = splits.of_run(config)
+        self.thief = None
+        if self.splits is not None and config.shards.split_seconds > 0:
+            self.thief = splits.Thief(self.splits, self.run_dir, who, config.shards.split_seconds, sleep=sleep)
+        self.steal = self.thief.steal if self.thief else None
+
+    def ids(self) -> list[str]:
+        """The plan's shards, then the pieces splits made."""
+        return self.order + self.splits.new_pieces(self.manifest) if self.splits else self.order
+
+    def is_done(self, shard_id: str) -> bool:
+        """Whether the shard (or piece) is committed, as ``committed`` tells it."""
+        if shard_id not in self.done:  # a committed shard is not looked at again (nor its cuts listed)
+            files = self.run_dir.shard_file(shard_id), self.run_dir.shard_stats(shard_id)
+            shard = self.splits.piece(self.manifest, shard_id) if self.splits else self.manifest.shard(shard_id)
+            if committed(self.config, self.manifest, shard, *files):
+                self.done.add(shard_id)
+        return shard_id in self.done
+
+    @property
+    def asked(self) -> int:
+        """How many splits the worker asked for."""
+        return self.thief.asked if self.thief else 0
+
+    def close(self) -> None:
+        if self.splits is not None:
+            self.splits.close()
 
 
 # -- The attempt's record -----------------------------------------------------------------------------------

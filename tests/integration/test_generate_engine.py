@@ -294,7 +294,7 @@ def test_the_engine_listens_on_no_port_other_machines_can_reach(engine):
 
 
 def test_several_shards_in_one_job_share_the_engine_and_a_retry_keeps_the_committed_ones(tmp_path, engine):
-    from shardgen.generate import JobContext, run_shards
+    from shardgen.workers import run_shards
 
     config, manifest = plan(tmp_path, make_rows(20))  # shards of 8: 00000, 00001, 00002
     shard_dir = RunDir(config.output.dir).shards
@@ -474,10 +474,10 @@ def test_a_run_directory_written_by_the_real_writers_reads_back_alike_in_status_
     stopped by SIGTERM after a save, its retry) and each reader reads it back: they agree on rows,
     row errors, resumed rows and attempts. (Records built by hand in unit tests cannot see a writer
     and its readers drift apart.)"""
-    from shardgen.generate import JobContext, run_shards
     from shardgen.merge import merge
     from shardgen.report import FILES, make_plots
     from shardgen.status import format_status, read_status
+    from shardgen.workers import run_shards
 
     rows = make_rows(20)
     rows[3]["topic"] = "very long " * 2000  # beyond max_model_len: a row error
@@ -549,9 +549,9 @@ def test_a_chain_whose_first_step_drops_rows_and_second_samples_several_counts_e
     of pairs that finds no pair writes the chosen/rejected columns still."""
     from shardgen import config as cfg
     from shardgen import steps
-    from shardgen.generate import JobContext, run_shards
     from shardgen.merge import merge
     from shardgen.plan import Manifest
+    from shardgen.workers import run_shards
 
     rows = make_rows(4)
     rows[1]["topic"] = None  # a row error of the draft: both its samples

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from shardgen import generate
+from shardgen import generate, workers
 from shardgen.engine import Engine
 from shardgen.generate import JobContext
 from shardgen.stopflag import Interrupted, StopFlag
@@ -47,7 +47,7 @@ def test_a_worker_waiting_for_a_silent_claims_lease_stops_at_once_on_sigterm(tmp
     timer.start()
     started = time.monotonic()
     with pytest.raises(Interrupted, match="stopped by SIGTERM"):
-        generate.run_worker(config, run_dir.manifest, 0, engine=Engine(llm=object()))
+        workers.run_worker(config, run_dir.manifest, 0, JobContext(engine=Engine(llm=object())))
     timer.join()
     assert time.monotonic() - started < 5, "the wait ended with the signal, not with the lease"
 
@@ -70,7 +70,7 @@ def test_a_worker_takes_shards_in_the_plans_work_order(tmp_path, monkeypatch):
     run_dir.manifest.write_text(json.dumps(manifest))
     offered = []
     monkeypatch.setattr(ClaimBoard, "next", lambda self, ids, is_done, steal: offered.append(list(ids())))
-    generate.run_worker(config, run_dir.manifest, 0, engine=Engine(llm=object()))
+    workers.run_worker(config, run_dir.manifest, 0, JobContext(engine=Engine(llm=object())))
     assert offered == [["00001", "00002", "00000"]]
 
 
@@ -115,7 +115,7 @@ def _run_worker_without_engine(config, run_dir, monkeypatch) -> tuple[dict, list
         return {}
 
     monkeypatch.setattr(generate, "run_shard", run_shard)
-    record = generate.run_worker(config, run_dir.manifest, 0, engine=Engine(llm=object()))
+    record = workers.run_worker(config, run_dir.manifest, 0, JobContext(engine=Engine(llm=object())))
     return record, ran
 
 
