@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen import heads, jobenv, jobinfo, memory, multinode, records, splits
+from shardgen import fetch, heads, jobenv, jobinfo, memory, multinode, records, splits
+from shardgen.claims import ClaimBoard, ClaimLost, Holder
 from shardgen.config import RunConfig, warnings
 from shardgen.engine import Engine, EngineSettings
 from shardgen.errors import ShardgenError
@@ -93,8 +94,6 @@ class ShardJob:
             InputError: the input changed since planning.
             TooManyErrors: the saved rows already hold too many errors.
         """
-        from shardgen import fetch
-
         removed_env = jobenv.enter()  # done by the command already; in process (tests, benchmarks) here
         if model_record is None:
             model_record = fetch.resolve_model(config.model, allow_download=False, adapters=config.lora.adapters)
@@ -114,14 +113,8 @@ class ShardJob:
         done = ckpt.resume()
         log.info("shard %s: rows [%d, %d), %d done in checkpoints", shard.id, shard.start, shard.stop, len(done))
         attempts = ckpt.attempts()
-        attempt = records.AttemptStart(
-            attempt=len(attempts) + 1,
-            started=_now(),
-            host=jobinfo.host(),
-            pid=os.getpid(),
-            slurm=jobinfo.slurm_info(),
-            rows_done_before=len(done),
-        )
+        attempt = records.AttemptStart(attempt=len(attempts) + 1, started=_now(), host=jobinfo.host(), pid=os.getpid(),
+                                       slurm=jobinfo.slurm_info(), rows_done_before=len(done))  # fmt: skip
         ckpt.log_attempt(attempt)
         try:
             # Before any engine starts: the input is as planned, and the rows kept
@@ -195,8 +188,6 @@ class ShardJob:
         """Write the shard file from its parts, then its stats, then remove the parts (``ShardCheckpoint.
         commit``: a failure in between leaves the parts for the retry); return the stats."""
         if self.splitter is not None and (stop := self.splitter.stop_now()) != self.shard.stop:
-            from shardgen.claims import ClaimLost
-
             # a cut this attempt did not make: the holder before it, which lost its claim to this worker
             # after deciding it. Left unreleased: a takeover after the lease resumes the piece as it is
             # now (a part with rows past the cut is set aside, its rows run again), as after any lost claim.
@@ -317,8 +308,6 @@ def _own(config: RunConfig, shard_id: str, stop: StopFlag) -> Iterator[Any]:
     """This job's claim on a shard (``claims.ClaimBoard.acquire``), its heartbeat renewed while it runs:
     a retry overlapping its dying attempt, or a rerun's job beside an orphan of a killed controller,
     waits until the other is gone instead of writing beside it. A signal stops the wait."""
-    from shardgen.claims import ClaimBoard, Holder
-
     run_dir = RunDir(config.output.dir)
     board = ClaimBoard(run_dir.claims, Holder.here(-1), config.shards.lease_seconds, below=run_dir.root,
                        sleep=lambda seconds: stop.sleep(seconds, shard_id))  # fmt: skip
