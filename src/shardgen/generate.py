@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import logging
 import os
@@ -33,7 +32,6 @@ from shardgen import fetch, heads, jobenv, jobinfo, memory, multinode, records, 
 from shardgen.claims import ClaimBoard, ClaimLost, Holder
 from shardgen.config import RunConfig, warnings
 from shardgen.engine import Engine, EngineSettings
-from shardgen.errors import ShardgenError
 from shardgen.feed import ErrorBudget, RowInputs, RowStream, ShardFeed, ShardWork
 from shardgen.identity import shard_fingerprint
 from shardgen.io import Dir, atomic_write_text
@@ -113,8 +111,9 @@ class ShardJob:
         done = ckpt.resume()
         log.info("shard %s: rows [%d, %d), %d done in checkpoints", shard.id, shard.start, shard.stop, len(done))
         attempts = ckpt.attempts()
-        attempt = records.AttemptStart(attempt=len(attempts) + 1, started=_now(), host=jobinfo.host(), pid=os.getpid(),
-                                       slurm=jobinfo.slurm_info(), rows_done_before=len(done))  # fmt: skip
+        attempt = records.AttemptStart(attempt=len(attempts) + 1, started=records.now(), host=jobinfo.host(),
+                                       pid=os.getpid(), slurm=jobinfo.slurm_info(),
+                                       rows_done_before=len(done))  # fmt: skip
         ckpt.log_attempt(attempt)
         try:
             # Before any engine starts: the input is as planned, and the rows kept
@@ -122,7 +121,7 @@ class ShardJob:
             source.check_unchanged({seg.file for seg in shard.segments})
             budget = ErrorBudget(shard.id, shard.rows, config.errors.max_rate, ckpt.resumed_errors, ckpt.first_error)
         except BaseException as e:
-            ckpt.log_attempt(_attempt_end(e, ckpt.saved_inputs))
+            ckpt.log_attempt(records.attempt_end(e, ckpt.saved_inputs))
             ckpt.close()
             raise
         for warning in warnings(config.raw):
@@ -176,7 +175,7 @@ class ShardJob:
     def record_end(self, error: BaseException, counters: AttemptCounters) -> None:
         """How this attempt ended, for the next one and for the stats."""
         try:  # refused (ClaimLost) once the shard is another worker's
-            self.ckpt.log_attempt(_attempt_end(error, self.ckpt.saved_inputs, counters.rows))
+            self.ckpt.log_attempt(records.attempt_end(error, self.ckpt.saved_inputs, counters.rows))
         except OSError as e:  # a full disk: the error that ended the attempt is the one to raise
             log.warning("shard %s: could not record how the attempt ended: %s", self.shard.id, e)
         finally:
@@ -194,7 +193,7 @@ class ShardJob:
             raise ClaimLost(f"shard {self.shard.id}: its rows end at {stop} by {self.splitter.splits.path}, "
                             f"not at {self.shard.stop} as this attempt ran them; not committed")  # fmt: skip
         history = self.ckpt.attempts()
-        history[-1] = dataclasses.replace(history[-1], outcome=records.COMMITTED, ended=_now(),
+        history[-1] = dataclasses.replace(history[-1], outcome=records.COMMITTED, ended=records.now(),
                                           rows_generated=run.counters.rows)  # fmt: skip
         out: dict[str, Any] = {}
 
@@ -460,23 +459,3 @@ class WorkerShards:
     def close(self) -> None:
         if self.splits is not None:
             self.splits.close()
-
-
-# -- The attempt's record -----------------------------------------------------------------------------------
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-
-
-def _attempt_end(error: BaseException, rows_saved: int, rows_generated: int | None = None) -> records.AttemptEnd:
-    """How an attempt ended, for its entry in ``attempts.jsonl``: the outcome the error declares
-    (``ShardgenError.outcome``; any other error is ``failed``) and what the next attempt needs of it.
-    (No ClaimLost: a worker that lost its claim writes no end record, ``ShardCheckpoint.log_attempt``.)"""
-    end = {"ended": _now(), "rows_saved": rows_saved, "rows_generated": rows_generated}
-    if isinstance(error, Interrupted):
-        return records.AttemptEnd(error.outcome, signal=error.signal_name, **end)
-    if isinstance(error, OutOfMemory):
-        return records.AttemptEnd(error.outcome, **error.record, **end)
-    outcome = getattr(error, "outcome", "failed") if isinstance(error, ShardgenError) else "failed"
-    return records.AttemptEnd(outcome, error=f"{type(error).__name__}: {error}"[:1000], **end)

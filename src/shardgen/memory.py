@@ -211,6 +211,9 @@ class OutOfMemory(ShardgenError):
         super().__init__(message)
         self.record = record
 
+    def attempt_fields(self) -> dict[str, Any]:
+        return self.record
+
 
 def raise_if_memory(error: Exception, stage: str, used: dict[str, Any], log_start: int, layout: dict[str, Any]) -> None:
     """When ``error`` was memory running out, raise ``OutOfMemory``: the attempt's record keeps the

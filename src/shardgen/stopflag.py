@@ -33,6 +33,9 @@ class Interrupted(ShardgenError):
             "resumes from them"
         )
 
+    def attempt_fields(self) -> dict[str, Any]:
+        return {"signal": self.signal_name}
+
 
 class StopFlag:
     """Set by SIGTERM/SIGINT while installed; the feed loop polls it."""
