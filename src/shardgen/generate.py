@@ -144,11 +144,6 @@ class ShardJob:
                                 started=self.started, time=time.time(), rows=self.shard.rows, done=done,
                                 resumed=len(self.done), saved=saved, error_reasons=error_reasons)  # fmt: skip
 
-    def memory_failures(self) -> list[dict[str, Any]]:
-        """Earlier attempts that ran out of memory, oldest first: kind, stage, error, settings used."""
-        return [{"kind": a.kind, "stage": a.stage, "error": a.error, "settings": a.settings, "layout": a.layout}
-                for a in self.attempts if a.outcome == records.OUT_OF_MEMORY]  # fmt: skip
-
     def work(self) -> ShardWork:
         """What the feed reads from and writes to."""
         floor = max(self.done, default=self.shard.start - 1) + 1  # a cut leaves every saved row to this shard
@@ -322,7 +317,7 @@ def _run(job: ShardJob, context: JobContext, counters: AttemptCounters) -> Attem
 
     ``context`` holds the job's engine and stop flag (``run_shard`` fills in its defaults)."""
     log_start = jobinfo.own_log_size()  # what this attempt writes to the job's log comes after
-    failures = job.memory_failures()
+    failures = memory.failures_of(job.attempts)
     settings = EngineSettings.for_job(job.config, job.model_record, failures)
     run = AttemptRun(settings, counters)
     log.info("shard %s: %d GPU(s) %s; precision: %s", job.shard.id, len(settings.gpus),

@@ -141,6 +141,12 @@ def next_settings(kind: str, used: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def failures_of(attempts: list[records.Attempt]) -> list[dict[str, Any]]:
+    """Earlier attempts that ran out of memory, oldest first: kind, stage, error, settings used, layout."""
+    return [{"kind": a.kind, "stage": a.stage, "error": a.error, "settings": a.settings, "layout": a.layout}
+            for a in attempts if a.outcome == records.OUT_OF_MEMORY]  # fmt: skip
+
+
 def overrides(failures: list[dict[str, Any]]) -> dict[str, Any]:
     """What this attempt changes after ``failures`` (the attempts that ran out of memory, oldest
     first): the last failure's step from the settings it used, on top of the steps before it."""

@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from shardgen import cost, jobinfo, records
+from shardgen import cost, jobinfo, memory, records
 from shardgen.installed import vllm_version
 from shardgen.tasks import KINDS
 
@@ -251,7 +251,7 @@ def shard_record(
 
     Args:
         job: the shard's job (``generate.ShardJob``): the shard, its config, fingerprint, checkpoint,
-            model record and this attempt's start.
+            model record, the earlier attempts and this one's start.
         run: what the attempt's engine and feed produced (``generate.AttemptRun``), with the engine's
             settings (``engine.EngineSettings``).
         table: the shard's committed output.
@@ -285,7 +285,7 @@ def shard_record(
             "batch_invariant": bool(settings.model.get("batch_invariant")),
         },
         attempts=[a.as_dict() for a in history],
-        memory_failures=job.memory_failures(),
+        memory_failures=memory.failures_of(job.attempts),
         memory_overrides=settings.memory_overrides,
         gpu_devices=settings.gpus,
         gpu_model=", ".join(sorted({g.get("name") or "?" for g in settings.gpus})) or None,
