@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -28,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen import fetch, heads, jobenv, jobinfo, memory, multinode, records, splits
-from shardgen.claims import ClaimBoard, ClaimLost, Holder
+from shardgen import claims, fetch, heads, jobenv, jobinfo, memory, multinode, records, splits
+from shardgen.claims import ClaimLost
 from shardgen.config import RunConfig, warnings
 from shardgen.engine import Engine, EngineSettings
 from shardgen.feed import ErrorBudget, RowInputs, RowStream, ShardFeed, ShardWork
@@ -227,7 +228,7 @@ class JobContext:
             is looked up on the local disk only.
         window: requests kept in flight (default: twice the engine's ``max_num_seqs``).
         guard: called before every write of the shard's files: an elastic worker's claim check. Without
-            one, the job owns the shard through a claim of its own (``_own``) before it reads anything.
+            one, the job owns the shard through a claim of its own (``claims.own``) before it reads anything.
         stop: the job's stop flag, when the job runs several shards: a signal that came during an
             earlier shard (its commit, say) stops this one before it starts. By default one of its own.
     """
@@ -269,7 +270,9 @@ def run_shard(
             if stop():
                 raise Interrupted(stop.signal, shard_id)
             context = dataclasses.replace(context, engine=engine, stop=stop)
-            with contextlib.nullcontext() if context.guard else _own(config, shard_id, stop) as claim:
+            sleep = functools.partial(stop.sleep, shard_id=shard_id)  # a signal stops the wait for a claim
+            run_dir, lease = RunDir(config.output.dir), config.shards.lease_seconds
+            with contextlib.nullcontext() if context.guard else claims.own(run_dir, shard_id, lease, sleep) as claim:
                 if claim is not None and Path(output).exists():  # written since Snakemake started this job
                     manifest = Manifest.load(manifest_path)
                     if committed(config, manifest, manifest.shard(shard_id), output, stats_path):
@@ -295,21 +298,6 @@ def run_shard(
     finally:
         if own:
             engine.close()
-
-
-@contextlib.contextmanager
-def _own(config: RunConfig, shard_id: str, stop: StopFlag) -> Iterator[Any]:
-    """This job's claim on a shard (``claims.ClaimBoard.acquire``), its heartbeat renewed while it runs:
-    a retry overlapping its dying attempt, or a rerun's job beside an orphan of a killed controller,
-    waits until the other is gone instead of writing beside it. A signal stops the wait."""
-    run_dir = RunDir(config.output.dir)
-    board = ClaimBoard(run_dir.claims, Holder.here(-1), config.shards.lease_seconds, below=run_dir.root,
-                       sleep=lambda seconds: stop.sleep(seconds, shard_id))  # fmt: skip
-    try:
-        with board.acquire(shard_id) as claim:
-            yield claim
-    finally:
-        board.close()
 
 
 def _run(job: ShardJob, context: JobContext, counters: AttemptCounters) -> AttemptRun:
