@@ -9,10 +9,14 @@
 3. **Feed** (``feed.ShardFeed``): the remaining rows, rendered and tokenized
    ahead of the engine, saved every checkpoint interval; SIGTERM and SIGINT
    (Slurm's time limit, scancel, Ctrl+C) stop it after a last save.
-4. **Commit** (``ShardJob.commit``): the shard file and its stats.
+4. **Commit** (``ShardJob.commit``): the shard file and its stats (``stats.shard_record``).
 
 A job that stops for a signal raises ``Interrupted`` (the command exits with
 3, so Snakemake retries it); the next attempt resumes from the saved rows.
+
+A job hands each of its shards its context (``JobContext``: the engine, the
+model record, the stop flag). A job of several shards, an elastic worker and
+the ``generate`` command live in ``workers``, the stop flag in ``stopflag``.
 """
 
 from __future__ import annotations
