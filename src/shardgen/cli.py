@@ -11,10 +11,9 @@ import logging
 import sys
 
 from shardgen import config as cfg
-from shardgen import jobenv, steps
+from shardgen import jobenv, steps, workers
 from shardgen.errors import ShardgenError
 from shardgen.fetch import main_fetch
-from shardgen.generate import main_generate
 from shardgen.io import restrict_umask
 from shardgen.merge import main_merge, push
 from shardgen.multinode import main_worker
@@ -130,16 +129,13 @@ def main(argv: list[str] | None = None) -> int:
                 one == (args.output is None or args.stats is None) or (one and len(args.shard) != 1)
             ):
                 raise ShardgenError("generate: give --output and --stats for one shard, or --record for several")
-            return main_generate(
-                _load(args.config),
-                args.manifest,
-                args.shard,
-                args.output,
-                args.stats,
-                args.model_record,
-                args.record,
-                args.worker,
-            )
+            config = _load(args.config)
+            if args.worker is not None:
+                return workers.main_worker(config, args.manifest, args.worker, args.record, args.model_record)
+            if one:
+                (shard,) = args.shard
+                return workers.main_shard(config, args.manifest, shard, args.output, args.stats, args.model_record)
+            return workers.main_shards(config, args.manifest, args.shard, args.record, args.model_record)
         if args.command == "push":
             record = push(_load(args.config), args.dataset, args.stats, args.record)
             print(f"pushed {record['rows']} rows to {record['repo_id']}", file=sys.stderr)

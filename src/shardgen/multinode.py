@@ -220,7 +220,7 @@ class Workers:
         if code == 0:
             # The workers left on a SIGTERM (they exit 0 then): Slurm's early --signal reaches a job's
             # steps but not its batch step, where this process runs. Stop as if it had come here. The
-            # signal cannot be lost: the job's handler (generate._StopFlag, installed for the whole
+            # signal cannot be lost: the job's handler (stopflag.StopFlag, installed for the whole
             # job, between its shards too) only sets a flag, which the feed loop and the next shard
             # read, and raises during the engine's start, after setting it.
             log.warning("the engine's workers left on a signal from Slurm: stopping after saving finished rows")

@@ -36,6 +36,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from shardgen.engine import make_sampling_params
 from shardgen.errors import RowError
 
 # OpenAI's name -> the sampling key (vLLM's name) a row's value replaces
@@ -207,9 +208,7 @@ def sampling_params(
     Raises:
         RowError: naming the column and field.
     """
-    from vllm.exceptions import VLLMValidationError
-
-    from shardgen.engine import make_sampling_params
+    from vllm.exceptions import VLLMValidationError  # vLLM only where a job runs (the controller may have none)
 
     given = overrides(value, column)
     sampling = row_sampling(run, given, column, own_n=own_n)
