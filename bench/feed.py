@@ -52,7 +52,7 @@ from common import machine, write_results  # noqa: E402
 
 from shardgen.config import RunConfig  # noqa: E402
 from shardgen.engine import Engine, EngineSettings  # noqa: E402
-from shardgen.generate import run_shard  # noqa: E402
+from shardgen.generate import JobContext, run_shard  # noqa: E402
 from shardgen.installed import vllm_version  # noqa: E402
 from shardgen.jobenv import clear_thread_env  # noqa: E402
 from shardgen.plan import write_manifest  # noqa: E402
@@ -148,7 +148,7 @@ def measure_kind(engine: Engine, kind: str, model: dict, work: Path, size: Size)
 
     def shardgen(tag: str) -> float:
         t = time.perf_counter()
-        stats = run_shard(config, manifest, "00000", work / f"{tag}.parquet", work / f"{tag}.json", engine)
+        stats = run_shard(config, manifest, "00000", work / f"{tag}.parquet", work / f"{tag}.json", JobContext(engine))
         rate = size.rows / (time.perf_counter() - t)
         feeds.append(stats["feed"])
         table = pq.read_table(work / f"{tag}.parquet", columns=["row_index", "generation"]).to_pylist()
@@ -220,7 +220,7 @@ def profile_feed(engine: Engine, model: dict, work: Path, size: Size, top: int =
     write_manifest(config, work / "profile-manifest.json")
     prof = cProfile.Profile()
     prof.enable()
-    run_shard(config, work / "profile-manifest.json", "00000", work / "p.parquet", work / "p.json", engine)
+    run_shard(config, work / "profile-manifest.json", "00000", work / "p.parquet", work / "p.json", JobContext(engine))
     prof.disable()
     stats = pstats.Stats(prof, stream=io.StringIO())
     total = stats.total_tt

@@ -35,7 +35,7 @@ from common import machine, write_results  # noqa: E402
 
 from shardgen.config import RunConfig  # noqa: E402
 from shardgen.engine import Engine, EngineSettings  # noqa: E402
-from shardgen.generate import run_shard  # noqa: E402
+from shardgen.generate import JobContext, run_shard  # noqa: E402
 from shardgen.installed import vllm_version  # noqa: E402
 from shardgen.jobenv import clear_thread_env  # noqa: E402
 from shardgen.plan import write_manifest  # noqa: E402
@@ -90,7 +90,7 @@ def measure(task: str, work: Path, n: int, repeats: int) -> dict:
 
         def shardgen(tag: str) -> float:
             t = time.perf_counter()
-            run_shard(config, manifest, "00000", work / f"{tag}.parquet", work / f"{tag}.json", engine)
+            run_shard(config, manifest, "00000", work / f"{tag}.parquet", work / f"{tag}.json", JobContext(engine))
             rate = n / (time.perf_counter() - t)
             col = pq.read_table(work / f"{tag}.parquet", columns=[column]).column(column).to_pylist()
             values["shardgen"] = [list(v.values()) if isinstance(v, dict) else v for v in col]

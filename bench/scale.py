@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from shardgen import config as cfg  # noqa: E402
 from shardgen import plan, splits  # noqa: E402
 from shardgen.engine import engine_kwargs  # noqa: E402
-from shardgen.generate import shard_fingerprint  # noqa: E402
+from shardgen.identity import shard_fingerprint  # noqa: E402
 from shardgen.io import atomic_write_text  # noqa: E402
 from shardgen.jobinfo import scontrol_jobs  # noqa: E402
 from shardgen.outputs import write_table  # noqa: E402

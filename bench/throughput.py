@@ -45,7 +45,7 @@ from common import machine, write_results  # noqa: E402
 
 from shardgen import config as cfg  # noqa: E402
 from shardgen.engine import Engine, EngineSettings, make_sampling_params  # noqa: E402
-from shardgen.generate import run_shard  # noqa: E402
+from shardgen.generate import JobContext, run_shard  # noqa: E402
 from shardgen.installed import vllm_build, vllm_version  # noqa: E402
 from shardgen.jobenv import clear_thread_env  # noqa: E402
 from shardgen.plan import write_manifest  # noqa: E402
@@ -104,7 +104,7 @@ def raw_vllm(llm, token_ids: list[list[int]], params) -> tuple[float, int]:
 
 def shardgen_path(engine: Engine, config, manifest: Path, work: Path, tag: str) -> dict:
     t = time.perf_counter()
-    stats = run_shard(config, manifest, "00000", work / f"{tag}.parquet", work / f"{tag}.json", engine)
+    stats = run_shard(config, manifest, "00000", work / f"{tag}.parquet", work / f"{tag}.json", JobContext(engine))
     stats["bench_seconds"] = time.perf_counter() - t
     return stats
 

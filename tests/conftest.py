@@ -96,7 +96,7 @@ def changed(config: cfg.RunConfig, section: str, **values: Any) -> cfg.RunConfig
 @pytest.fixture(scope="session")
 def engine(model_dir: Path):
     """One real vLLM engine for every in-process engine test (a start costs about a minute), as the
-    handle a job's shards share: ``run_shard(..., engine=engine)`` uses it and leaves it running.
+    handle a job's shards share: ``run_shard(..., JobContext(engine))`` uses it and leaves it running.
 
     Chunked prefill is off, as shardgen runs it for seeded sampling on the
     CPU build (``EngineSettings.for_job``), so the seeded tests can share it.

@@ -43,6 +43,7 @@ released, never taken over as work; a live holder's is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -50,7 +51,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ from typing import Any
 from shardgen import cluster, jobinfo
 from shardgen.errors import ShardgenError
 from shardgen.io import Dir
+from shardgen.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -402,6 +404,20 @@ class ClaimBoard:
             left.add(seen.name)
             log.warning("shard %s: the plan has no such shard or piece; its claim is left to %s, which still "
                         "holds it", seen.shard, _who(record))  # fmt: skip
+
+
+@contextlib.contextmanager
+def own(run_dir: RunDir, shard: str, lease_s: float, sleep: Callable[[float], None]) -> Iterator[Claim]:
+    """A job's claim on a shard it runs by itself, not as an elastic worker (``ClaimBoard.acquire``),
+    its heartbeat renewed while it runs: a retry overlapping its dying attempt, or a rerun's job beside
+    an orphan of a killed controller, waits until the other is gone instead of writing beside it.
+    ``sleep`` is how it waits (the job's stop flag's, so that a signal stops the wait)."""
+    board = ClaimBoard(run_dir.claims, Holder.here(-1), lease_s, below=run_dir.root, sleep=sleep)
+    try:
+        with board.acquire(shard) as claim:
+            yield claim
+    finally:
+        board.close()
 
 
 def _who(record: dict[str, Any] | None) -> str:

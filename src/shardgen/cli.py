@@ -11,7 +11,16 @@ import logging
 import sys
 
 from shardgen import config as cfg
+from shardgen import jobenv, steps, workers
 from shardgen.errors import ShardgenError
+from shardgen.fetch import main_fetch
+from shardgen.io import restrict_umask
+from shardgen.merge import main_merge, push
+from shardgen.multinode import main_worker
+from shardgen.plan import write_manifest
+from shardgen.preflight import main_preflight
+from shardgen.report import main_plots
+from shardgen.status import main_status
 
 
 def _ids(text: str) -> list[str]:
@@ -95,8 +104,6 @@ _MODEL_CODE_COMMANDS = ("generate", "preflight", "engine-worker")
 def _load(path: str) -> cfg.RunConfig:
     """The command's config; from here on, files it creates are not readable by other users unless
     ``output.world_readable`` (``io.restrict_umask``)."""
-    from shardgen.io import restrict_umask
-
     config = cfg.RunConfig.load(path)
     restrict_umask(config.output.world_readable)
     return config
@@ -106,23 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command in _MODEL_CODE_COMMANDS:
-        from shardgen import jobenv
-
         jobenv.enter(args.command)
     try:
         if args.command == "plan":
-            from shardgen.plan import write_manifest
-
             m = write_manifest(_load(args.config), args.manifest)
             print(f"planned {m['total_rows']} rows in {len(m['shards'])} shards -> {args.manifest}", file=sys.stderr)
             return 0
         if args.command == "preflight":
-            from shardgen.preflight import main_preflight
-
             return main_preflight(_load(args.config), args.manifest, args.report, args.model_record)
         if args.command == "generate":
-            from shardgen.generate import main_generate
-
             one = args.record is None
             if args.worker is not None and one:
                 raise ShardgenError("generate: a --worker needs --record")
@@ -130,51 +129,34 @@ def main(argv: list[str] | None = None) -> int:
                 one == (args.output is None or args.stats is None) or (one and len(args.shard) != 1)
             ):
                 raise ShardgenError("generate: give --output and --stats for one shard, or --record for several")
-            return main_generate(
-                _load(args.config),
-                args.manifest,
-                args.shard,
-                args.output,
-                args.stats,
-                args.model_record,
-                args.record,
-                args.worker,
-            )
+            config = _load(args.config)
+            if args.worker is not None:
+                return workers.main_worker(config, args.manifest, args.worker, args.record, args.model_record)
+            if one:
+                (shard,) = args.shard
+                return workers.main_shard(config, args.manifest, shard, args.output, args.stats, args.model_record)
+            return workers.main_shards(config, args.manifest, args.shard, args.record, args.model_record)
         if args.command == "push":
-            from shardgen.merge import push
-
             record = push(_load(args.config), args.dataset, args.stats, args.record)
             print(f"pushed {record['rows']} rows to {record['repo_id']}", file=sys.stderr)
             return 0
         if args.command == "status":
-            from shardgen.status import main_status
-
             out_dir = args.dir or cfg.load(args.configfile or "config/config.yaml")["output"]["dir"]
             return main_status(out_dir, args.window, args.all)
         if args.command == "engine-worker":
-            from shardgen.multinode import main_worker
-
             return main_worker()
         if args.command == "engine-version":
             print(cfg.engine_version())
             return 0
         if args.command == "fetch-model":
-            from shardgen.fetch import main_fetch
-
             return main_fetch(_load(args.config), args.output)
         if args.command == "merge":
-            from shardgen.merge import main_merge
-
             return main_merge(_load(args.config), args.manifest, args.output, args.stats, args.model_record)
         if args.command == "select":
-            from shardgen import steps
-
             stats = steps.finish(cfg.load(args.config), args.output, args.stats)
             print(steps.summary_text(stats))
             return 0
         if args.command == "plots":
-            from shardgen.report import main_plots
-
             return main_plots(args.stats, args.output, args.out_dir)
     except ShardgenError as e:
         print(f"shardgen: error: {e}", file=sys.stderr)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from shardgen.errors import ShardgenError
+from shardgen.profile import raw_value
 
 log = logging.getLogger(__name__)
 
@@ -436,8 +437,6 @@ def container_multinode_problem(run_config, deployment_methods: Iterable[object]
 def generate_request(run_config, resource_settings, rule: str, runtime_min: float) -> Request:
     """The request of the run's generate jobs: the rule's own resources (from the run config), with
     what the profile sets (``default-resources``, and ``set-resources`` for ``rule``) over them."""
-    from shardgen.profile import raw_value
-
     defaults = getattr(resource_settings, "default_resources", None) or {}
     per_rule = (getattr(resource_settings, "overwrite_resources", None) or {}).get(rule, {})
 

@@ -3,7 +3,9 @@
 The schema (``config.schema.yaml`` beside this module, linked from
 ``workflow/schemas/``) is the one source of truth for keys, types and
 defaults. The Snakefile validates with Snakemake's ``validate()``; the CLI
-validates the same way here when it is given a config by hand.
+validates the same way here when it is given a config by hand. The features
+(steps, batch files, tasks, the prompt's templates) register their own checks
+here (``register_*``) and are never imported by this module.
 """
 
 from __future__ import annotations
@@ -18,20 +20,19 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from shardgen import trust
 from shardgen.errors import ConfigError
+from shardgen.installed import vllm_version
+from shardgen.io import atomic_write_text
 from shardgen.rundir import CONFIG_DIR, RunDir
-
-if TYPE_CHECKING:
-    from shardgen.tasks import Task
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
 
@@ -63,6 +64,36 @@ LATER_DEFAULTS = {
     "prompt": {"pair_template": None, "images": [], "chat_template_kwargs": {}},
     "model": {"runner": None, "convert": None, "pooler_config": None, "enable_lora": None, "max_lora_rank": None},
 }
+
+
+# -- Where features plug in ----------------------------------------------------------------------------
+# This module checks the core's keys. A feature (a run mode, a source kind, a task kind, an output
+# format, the prompt's templates) registers its own checks here when it is imported, and importing the
+# package imports every feature (shardgen/__init__.py), so this module names none of them: features sit
+# above it (docs/dev/layers.md).
+
+Check = Callable[[dict[str, Any]], None]
+# A run mode that makes one config several runs (``steps``), by its key: the check of the whole config
+# (its runs are each checked as a config of their own) and the warnings for it.
+RUN_MODES: dict[str, tuple[Check, Callable[[dict[str, Any]], list[str]]]] = {}
+# The features' checks of one run's config, in the order registered: those of ``BEFORE_CORE`` run before
+# the core's (they may fill in settings the input decides: ``input.openai_batch``), the others after it.
+BEFORE_CORE: list[Check] = []
+AFTER_CORE: list[Check] = []
+# Every task kind, by its name (``tasks.KINDS``).
+TASKS: dict[str, Any] = {}
+
+
+def register_run_mode(key: str, check: Check, warnings: Callable[[dict[str, Any]], list[str]]) -> None:
+    RUN_MODES[key] = (check, warnings)
+
+
+def register_check(check: Check, before_core: bool = False) -> None:
+    (BEFORE_CORE if before_core else AFTER_CORE).append(check)
+
+
+def register_tasks(kinds: Mapping[str, Any]) -> None:
+    TASKS.update(kinds)
 
 
 @cache
@@ -143,27 +174,17 @@ def check_consistency(config: dict[str, Any]) -> None:
     Raises:
         ConfigError: naming the keys.
     """
-    if config.get("steps"):
-        from shardgen.steps import step_configs
-
-        step_configs(config)  # each step's config, checked as a run's
-        return
+    for key, (check_mode, _) in RUN_MODES.items():
+        if config.get(key):
+            check_mode(config)  # each of its runs' configs, checked as a run's
+            return
     model, sampling, prompt = config["model"], config.get("sampling", {}), config["prompt"]
     output = config["output"]
-    if config["input"].get("openai_batch"):
-        batch_input(config)
+    for check in BEFORE_CORE:
+        check(config)
     task_kind(config).check_config(config)
     if config["input"].get("sampling_column") and not task_kind(config).generates:
         raise ConfigError(f"input.sampling_column sets sampling per row: for task generate, not {config['task']}")
-    if output.get("format") == "openai_batch":
-        from shardgen.openai_batch import URLS
-
-        if config["task"] not in URLS:
-            raise ConfigError(f"output.format openai_batch is for task {', '.join(URLS)}, not {config['task']}")
-        if output.get("push_to_hub"):
-            raise ConfigError(
-                "output.push_to_hub needs a dataset: output.format parquet, jsonl or hf, not openai_batch"
-            )
     check_lora(config)
     max_len = model.get("max_model_len")
     max_tokens = sampling.get("max_tokens")
@@ -236,13 +257,8 @@ def check_consistency(config: dict[str, Any]) -> None:
         )
     check_output_dir(config["output"]["dir"])
     check_chat_template_kwargs(prompt)
-    from shardgen.prompts import PromptRenderer
-
-    # compiles the template: a syntax error, or one that cannot compile, is a config error
-    PromptRenderer(
-        prompt.get("template"), prompt.get("system"), prompt.get("chat", True), prompt.get("few_shot"),
-        prompt.get("messages_column"), prompt.get("pair_template"), prompt.get("images"),
-    )  # fmt: skip
+    for check in AFTER_CORE:
+        check(config)
 
 
 def check_reasoning(config: dict[str, Any]) -> None:
@@ -306,40 +322,16 @@ def check_chat_template_kwargs(prompt: Mapping[str, Any]) -> None:
             raise ConfigError(f"prompt.chat_template_kwargs.{key}: shardgen sets it when it renders prompts")
 
 
-def batch_input(config: dict[str, Any]) -> None:
-    """input.openai_batch: the requests decide the prompt, the row id and each row's sampling; the
-    settings that say so are filled in here (and refused when set otherwise).
+def task_kind(config: Mapping[str, Any]) -> Any:
+    """The kind of a config's task: a ``tasks.Task`` subclass (``tasks.KINDS``, registered in ``TASKS``).
 
     Raises:
-        ConfigError: naming the key.
+        ConfigError: no task of that name is registered.
     """
-    from shardgen.openai_batch import CHAT, URLS
-
-    task, prompt, inputs = config["task"], config["prompt"], config["input"]
-    if task not in URLS:
-        raise ConfigError(f"input.openai_batch is for task {', '.join(URLS)}, not {task}")
-    own_prompt = (("template", "{{ input }}"), ("messages_column", "messages"), ("pair_template", "{{ pair }}"))
-    for key, own in own_prompt:
-        if prompt.get(key) not in (None, own):
-            raise ConfigError(f"prompt.{key}: the requests of input.openai_batch are the prompts; leave it unset")
-    if URLS[task] == CHAT and prompt.get("chat", True):
-        prompt["messages_column"] = "messages"
-    else:  # an embedding's input, a completion's prompt, the first text of a pair to score
-        prompt.update(template="{{ input }}", chat=False)
-    if task_kind(config).pairs:
-        prompt["pair_template"] = "{{ pair }}"  # the second text (openai_batch.request_rows)
-    sampling = "body" if task_kind(config).generates else None
-    for key, own in (("id_column", "custom_id"), ("sampling_column", sampling)):
-        if inputs.get(key) not in (None, own):
-            raise ConfigError(f"input.{key}: input.openai_batch sets it ({own}); leave it unset")
-        inputs[key] = own
-
-
-def task_kind(config: Mapping[str, Any]) -> type[Task]:
-    """The kind of a config's task (``tasks.KINDS``)."""
-    from shardgen.tasks import KINDS
-
-    return KINDS[config.get("task", "generate")]
+    name = config.get("task", "generate")
+    if name not in TASKS:
+        raise ConfigError(f"task: {name!r} is none of the registered tasks ({', '.join(TASKS) or 'none'})")
+    return TASKS[name]
 
 
 def check_output_dir(path: str) -> None:
@@ -356,10 +348,9 @@ def check_output_dir(path: str) -> None:
 
 def warnings(config: dict[str, Any]) -> list[str]:
     """Settings that are allowed but deserve a word before the run."""
-    if config.get("steps"):
-        from shardgen.steps import step_configs
-
-        return [f"step {c['step']['name']}: {w}" for c in step_configs(config) for w in warnings(c)]
+    for key, (_, mode_warnings) in RUN_MODES.items():
+        if config.get(key):
+            return mode_warnings(config)
     out = []
     sampling = config.get("sampling", {})
     budget, max_tokens = sampling.get("thinking_token_budget"), sampling.get("max_tokens")
@@ -412,8 +403,6 @@ def write_resolved(config: dict[str, Any], out_dir: str | Path) -> str:
     another config writes another file and cannot change what a running
     run's jobs read.
     """
-    from shardgen.io import atomic_write_text
-
     p = RunDir(out_dir).configs / f"{digest(config)}.json"
     if not p.exists():
         atomic_write_text(p, json.dumps(config, indent=1, sort_keys=True) + "\n")
@@ -428,8 +417,6 @@ def engine_version() -> str:
     plugin, docs/deployment.md) asks the ``shardgen`` its jobs will run: the
     first on PATH.
     """
-    from shardgen.installed import vllm_version
-
     if version := vllm_version():
         return version
     exe = shutil.which("shardgen")
@@ -743,8 +730,8 @@ class RunConfig:
         return cls.from_dict(load(path))
 
     @property
-    def kind(self) -> type[Task]:
-        """The run's task kind (``tasks.KINDS``)."""
+    def kind(self) -> Any:
+        """The run's task kind: a ``tasks.Task`` subclass (``tasks.KINDS``)."""
         return task_kind(self.raw)
 
     @property

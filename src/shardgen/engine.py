@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardgen import jobenv, memory
+from shardgen import fetch, gpus, jobenv, jobinfo, kernels, memory, multinode
 from shardgen.errors import RowError, ShardgenError
-from shardgen.installed import vllm_build
+from shardgen.installed import version_problem, vllm_build
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
@@ -128,9 +128,6 @@ class EngineSettings:
                 too old for the CUDA build, or batch invariance on GPUs without it.
             UnsupportedVllm: the installed vLLM is not the version shardgen supports.
         """
-        from shardgen import fetch, gpus, jobinfo
-        from shardgen.installed import version_problem
-        from shardgen.kernels import torch_cuda
 
         if problem := version_problem():
             raise UnsupportedVllm(problem)
@@ -153,7 +150,7 @@ class EngineSettings:
             from_checkpoint=settings["quantization"] is None,
         )
         if build == "cuda":
-            problems += gpus.check_driver(devices, torch_cuda())
+            problems += gpus.check_driver(devices, kernels.torch_cuda())
             if model.get("batch_invariant"):
                 problems += gpus.check_batch_invariance(devices)
         if problems:
@@ -272,8 +269,6 @@ class Engine:
 
             kwargs = settings.kwargs
             if settings.nodes > 1:
-                from shardgen import multinode
-
                 kwargs, self._workers = multinode.launch(
                     kwargs, settings.nodes, settings.gpus_per_node, self._workers_gone
                 )
@@ -300,8 +295,6 @@ class Engine:
     def _workers_gone(self) -> None:
         """The engine's workers on other nodes ended while it ran: fail it now, not at vLLM's RPC timeout
         (the engine core's death wakes the job: ``_fail_when_engine_core_dies``)."""
-        from shardgen import multinode
-
         multinode.stop_engine_core()
 
     def _stop_workers(self) -> None:

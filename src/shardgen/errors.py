@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ShardgenError(Exception):
     """An error shardgen explains to the user; the CLI prints it without a traceback.
@@ -11,6 +13,11 @@ class ShardgenError(Exception):
     """
 
     outcome = "failed"
+
+    def attempt_fields(self) -> dict[str, Any]:
+        """What the record of an attempt that ends with this error keeps of it besides its outcome
+        (``records.AttemptEnd``): by default its type and message."""
+        return {"error": f"{type(self).__name__}: {self}"[:1000]}
 
 
 class ConfigError(ShardgenError):

@@ -33,14 +33,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shardgen.errors import RowError, ShardgenError, error_reason
 from shardgen.images import row_images
 from shardgen.progress import progress_bar
-from shardgen.splits import cut_point
+from shardgen.results import DROPPED, Completion
 from shardgen.stats import AttemptCounters
-from shardgen.steps import DROPPED
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +50,21 @@ if TYPE_CHECKING:
     from shardgen.outputs import ShardCheckpoint
     from shardgen.prompts import PromptRenderer
     from shardgen.records import Progress
-    from shardgen.splits import Splitter
     from shardgen.tasks import Task
+
+
+class Split(Protocol):
+    """What the feed asks of a piece an idle worker may split (``splits.Splitter``), between engine steps."""
+
+    def wanted(self) -> bool:
+        """Whether an idle worker asks for a split now."""
+
+    def cut(self, floor: int, stop: int, held: int) -> int | None:
+        """Where to cut the rows ``[.., stop)``: never below ``floor``; ``held`` are in flight. None: nowhere."""
+
+    def decide(self, cut: int | None) -> bool:
+        """Answer the request: cut at ``cut`` (None: decline); True when the cut was made."""
+
 
 # Rows rendered and tokenized in one go: large enough that the batch calls pay off, small enough
 # that the first request goes out at once.
@@ -127,7 +139,7 @@ class Request:
 @dataclass
 class RowInputs:
     """What a row's request carries beside its tokens: its LoRA adapter and its images; and, for an
-    OpenAI batch input, the urls the run serves (``openai_batch.served_urls``)."""
+    OpenAI batch input, the urls the run serves (``sources.served_urls``)."""
 
     adapters: Adapters | None = None
     image_columns: tuple[str, ...] = ()
@@ -237,24 +249,6 @@ def _prepare(batch, renderer, tokenizer, task, on_error, inputs: RowInputs) -> l
 
 
 # -- The engine's queue ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Completion:
-    """A finished request: the engine's output and what it cost, or the error it got instead."""
-
-    key: int
-    row: dict[str, Any]
-    output: Any
-    prompt_tokens: int
-    cached_tokens: int
-    ttft_s: float | None
-    latency_s: float | None
-    error: RowError | None = None
-    # From vLLM's per-request timestamps (RequestStateStats, monotonic in the engine core): time waiting
-    # for the scheduler, and time to first token once scheduled (vLLM's own "prefill time").
-    queue_s: float | None = None
-    ttft_scheduled_s: float | None = None
 
 
 @dataclass
@@ -445,8 +439,8 @@ class ShardWork:
     order: str  # prompt.order
     budget: ErrorBudget
     progress: Callable[[int, int, dict[str, int]], Progress]  # (done, saved, error reasons) -> progress.json
-    # an elastic worker's piece (splits.Splitter): an idle worker may ask for the rows it has not read
-    split: Splitter | None = None
+    # an elastic worker's piece: an idle worker may ask for the rows it has not read
+    split: Split | None = None
     narrow: Callable[[int], None] = lambda stop: None  # the shard now ends at ``stop`` (a split's cut)
 
 
@@ -531,7 +525,7 @@ class ShardFeed:
         split, rows = self.work.split, self.work.remaining
         if split is not None and split.wanted():
             self._read_ahead = False  # the end of the run: keep unread what the next split may give
-            cut = cut_point(rows.floor, rows.stop, rows.pulled - self.counters.rows)
+            cut = split.cut(rows.floor, rows.stop, rows.pulled - self.counters.rows)
             if split.decide(cut):
                 log.info("shard %s: split at row %d for an idle worker (rows from %d were not read yet)",
                          self.work.shard_id, cut, rows.floor)  # fmt: skip

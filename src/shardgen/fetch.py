@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardgen.errors import ShardgenError
+from shardgen.installed import vllm_build
 from shardgen.io import atomic_write_text
+from shardgen.kernels import ensure_kernels
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
@@ -324,8 +326,6 @@ def describe(resolved: dict[str, Any]) -> str:
 def main_fetch(config: RunConfig, output_path: str | Path) -> int:
     """Resolve (and if need be download) the model; write the record as JSON; print one line. On the
     CUDA build, also install FlashInfer's precompiled kernels if they are missing (``kernels.py``)."""
-    from shardgen.installed import vllm_build
-    from shardgen.kernels import ensure_kernels
 
     resolved = resolve_model(config.model, allow_download=True, adapters=config.lora.adapters)
     atomic_write_text(output_path, json.dumps(resolved, indent=1, sort_keys=True) + "\n")

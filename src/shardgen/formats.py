@@ -6,8 +6,9 @@
   beside it in ``output.jsonl.provenance.json``;
 - ``hf``: ``<dir>/output/``, a directory ``datasets.load_from_disk`` reads,
   its provenance in the dataset's description;
-- ``openai_batch``: ``<dir>/openai/``, OpenAI's Batch API result and error
-  files and the provenance beside them (``shardgen.openai_batch``).
+- formats a feature adds (``register``): ``openai_batch``, ``<dir>/openai/``,
+  OpenAI's Batch API result and error files and the provenance beside them
+  (``shardgen.openai_batch``).
 
 Writers take a stream of ``(schema, record batch)`` pairs, so memory stays
 flat however large the output is; readers give a few columns batch by batch
@@ -23,17 +24,17 @@ import hashlib
 import json
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardgen import openai_batch
 from shardgen.errors import ShardgenError
 from shardgen.io import atomic_write, atomic_write_text, replace_dir
+from shardgen.outputs import CONFIG_KEY, PROVENANCE_KEY
 
-FORMATS = ("parquet", "jsonl", "hf", "openai_batch")
 # Row groups of a merged Parquet file: large enough that a 100M-row output
 # has a footer of a few thousand entries, small enough to buffer.
 ROW_GROUP_ROWS = 128 * 1024
@@ -47,12 +48,33 @@ ColumnReader = Callable[[list[str]], Iterator[pa.RecordBatch]]
 PROVENANCE_SUFFIX = ".provenance.json"
 
 
+@dataclass(frozen=True)
+class OutputFormat:
+    """An output format a feature adds (``openai_batch``), as a directory of files: how a merge writes it
+    (``write(path, batches, provenance, id_column, top_logprobs)``), whether a directory holds it, its
+    provenance (checked against the files it describes), and its prompt and generated tokens, batch by
+    batch (``read_columns``)."""
+
+    write: Callable[[Path, Batches, dict, str | None, Callable[[dict[str, Any]], int | None]], None]
+    holds: Callable[[Path], bool]
+    provenance: Callable[[Path], dict[str, Any]]
+    read_columns: Callable[[Path, int], tuple[list[str], ColumnReader]]
+
+
+# The formats features add, by their ``output.format`` name (register).
+ADDED: dict[str, OutputFormat] = {}
+
+
+def register(name: str, fmt: OutputFormat) -> None:
+    ADDED[name] = fmt
+
+
 def format_of(path: str | Path) -> str:
-    """The format of a merged output, from its path (a directory is ``hf``, or ``openai_batch`` when it
-    holds OpenAI's result file)."""
+    """The format of a merged output, from its path (a directory is ``hf``, or an added format that
+    holds it)."""
     p = Path(path)
     if p.is_dir():
-        return "openai_batch" if (p / openai_batch.OUTPUT).exists() else "hf"
+        return next((name for name, fmt in ADDED.items() if fmt.holds(p)), "hf")
     return "jsonl" if p.suffix == ".jsonl" else "parquet"
 
 
@@ -76,10 +98,8 @@ def write(
             goes into the Parquet metadata.
         id_column: ``input.id_column``, the requests' ``custom_id`` of ``openai_batch``.
         top_logprobs: of ``openai_batch``, how many top tokens a row's request asked for
-            (``openai_batch.logprobs_of``; None: none).
+            (``rowsampling.logprobs_of``; None: none).
     """
-    from shardgen.outputs import CONFIG_KEY, PROVENANCE_KEY
-
     meta = {
         CONFIG_KEY: (provenance.get("config_fingerprint") or "").encode(),
         PROVENANCE_KEY: json.dumps(provenance).encode(),
@@ -96,8 +116,8 @@ def write(
         atomic_write_text(f"{path}{PROVENANCE_SUFFIX}", text)
     elif fmt == "hf":
         _write_hf(Path(path), batches, empty, meta, provenance)
-    elif fmt == "openai_batch":
-        _write_openai_batch(Path(path), batches, provenance, id_column, top_logprobs or (lambda row: None))
+    elif fmt in ADDED:
+        ADDED[fmt].write(Path(path), batches, provenance, id_column, top_logprobs or (lambda row: None))
     else:
         raise ValueError(f"unknown output format {fmt!r}")
 
@@ -128,7 +148,7 @@ def _write_parquet(sink: Any, batches: Batches, empty: Callable[[], pa.Schema], 
             writer.close()
 
 
-def _json_default(value: Any) -> Any:
+def json_default(value: Any) -> Any:
     if isinstance(value, bytes):
         return base64.b64encode(value).decode()
     if isinstance(value, datetime.date | datetime.time | datetime.datetime):
@@ -141,7 +161,7 @@ def _json_default(value: Any) -> Any:
 def _write_jsonl(f: IO[bytes], batches: Batches, digest: Any) -> None:
     for _, batch in batches:
         for row in batch.to_pylist():
-            line = (json.dumps(row, ensure_ascii=False, default=_json_default) + "\n").encode()
+            line = (json.dumps(row, ensure_ascii=False, default=json_default) + "\n").encode()
             f.write(line)
             digest.update(line)
 
@@ -161,40 +181,6 @@ def _write_hf(path: Path, batches: Batches, empty: Callable[[], pa.Schema], meta
         replace_dir(Path(f"{tmp}/out"), path)
 
 
-def _write_openai_batch(
-    path: Path,
-    batches: Batches,
-    provenance: dict,
-    id_column: str | None,
-    top_logprobs: Callable[[dict[str, Any]], int | None],
-) -> None:
-    """OpenAI's result and error files, and the provenance naming their digests, in a directory
-    written beside ``path`` and swapped into place."""
-    task, model = provenance["task"], provenance["model"]
-    created = int(datetime.datetime.fromisoformat(provenance["created"]).timestamp())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
-        out = Path(tmp) / "out"
-        out.mkdir()
-        digests = {openai_batch.OUTPUT: hashlib.sha256(), openai_batch.ERRORS: hashlib.sha256()}
-        with open(out / openai_batch.OUTPUT, "wb") as ok, open(out / openai_batch.ERRORS, "wb") as failed:
-            rows = (row for _, batch in batches for row in batch.to_pylist())
-            for request in openai_batch.requests(rows):
-                k = top_logprobs(request[0])
-                line = openai_batch.result_line(request, task, model, created, id_column, k)
-                name, f = (
-                    (openai_batch.OUTPUT, ok)
-                    if line["response"]["status_code"] == 200
-                    else (openai_batch.ERRORS, failed)
-                )
-                data = (json.dumps(line, ensure_ascii=False, default=_json_default) + "\n").encode()
-                f.write(data)
-                digests[name].update(data)
-        sums = {f"{name}_sha256": d.hexdigest() for name, d in digests.items()}
-        (out / openai_batch.PROVENANCE).write_text(json.dumps({**provenance, **sums}, indent=1) + "\n")
-        replace_dir(out, path)
-
-
 # -- Reading back -----------------------------------------------------------------------------------
 
 
@@ -205,39 +191,30 @@ def load(path: str | Path):
     fmt = format_of(path)
     if fmt == "hf":
         return datasets.load_from_disk(str(path))
-    if fmt == "openai_batch":
-        raise ShardgenError(f"'{path}' holds OpenAI batch result files, not a dataset; read them as JSON Lines")
+    if fmt in ADDED:
+        raise ShardgenError(f"'{path}' holds {fmt} files, not a dataset; read them as JSON Lines")
     return datasets.load_dataset("parquet" if fmt == "parquet" else "json", data_files=str(path), split="train")
 
 
 def provenance(path: str | Path) -> dict[str, Any]:
     """The provenance a merged output carries, whatever its format."""
-    from shardgen.outputs import PROVENANCE_KEY
-
     fmt = format_of(path)
     if fmt == "parquet":
         return json.loads((pq.read_schema(path).metadata or {}).get(PROVENANCE_KEY, b"{}"))
     if fmt == "jsonl":
         prov = json.loads(Path(f"{path}{PROVENANCE_SUFFIX}").read_text())
-        if prov.get("output_sha256") not in (None, _sha256(Path(path))):
+        if prov.get("output_sha256") not in (None, file_sha256(Path(path))):
             raise ShardgenError(
                 f"'{path}{PROVENANCE_SUFFIX}' describes other rows than '{path}' holds (a merge stopped between "
                 "writing the two?); run the workflow again, which merges again"
             )
         return prov
-    if fmt == "openai_batch":
-        prov = json.loads((Path(path) / openai_batch.PROVENANCE).read_text())
-        for name in (openai_batch.OUTPUT, openai_batch.ERRORS):
-            if prov.get(f"{name}_sha256") != _sha256(Path(path) / name):
-                raise ShardgenError(
-                    f"'{path}/{openai_batch.PROVENANCE}' describes another '{name}' than the one there; run the "
-                    "workflow again, which merges again"
-                )
-        return prov
+    if fmt in ADDED:
+        return ADDED[fmt].provenance(Path(path))
     return json.loads(load(path).info.description)["shardgen_provenance"]
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -253,17 +230,8 @@ def read_columns(path: str | Path, batch_size: int) -> tuple[list[str], ColumnRe
     """
     path = Path(path)
     fmt = format_of(path)
-    if fmt == "openai_batch":  # the results' usage: a request's tokens, its samples' summed
-        names = ["prompt_tokens", "generated_tokens"]
-
-        def usage_batches(columns: list[str]) -> Iterator[pa.RecordBatch]:
-            key = {"prompt_tokens": "prompt_tokens", "generated_tokens": "completion_tokens"}
-            lines = _jsonl_batches(path / openai_batch.OUTPUT, ["response"], batch_size)
-            for batch in lines:
-                usage = [r["body"]["usage"] for r in batch.column("response").to_pylist()]
-                yield pa.RecordBatch.from_arrays([pa.array([u.get(key[c]) for u in usage]) for c in columns], columns)
-
-        return names, usage_batches
+    if fmt in ADDED:
+        return ADDED[fmt].read_columns(path, batch_size)
     if fmt == "hf":  # Dataset.save_to_disk
         files = [path / f["filename"] for f in json.loads((path / "state.json").read_text())["_data_files"]]
         names: list[str] = []
@@ -282,12 +250,12 @@ def read_columns(path: str | Path, batch_size: int) -> tuple[list[str], ColumnRe
         with open(path, encoding="utf-8") as f:
             first = next((line for line in f if line.strip()), None)
         names = list(json.loads(first)) if first else []
-        return names, lambda columns: _jsonl_batches(path, columns, batch_size)
+        return names, lambda columns: jsonl_batches(path, columns, batch_size)
     pf = pq.ParquetFile(path)
     return pf.schema_arrow.names, lambda columns: pf.iter_batches(batch_size=batch_size, columns=columns)
 
 
-def _jsonl_batches(path: Path, columns: list[str], batch_size: int) -> Iterator[pa.RecordBatch]:
+def jsonl_batches(path: Path, columns: list[str], batch_size: int) -> Iterator[pa.RecordBatch]:
     """Columns of a JSON Lines file, batch by batch (line by line: any column may hold lists)."""
     values: dict[str, list[Any]] = {c: [] for c in columns}
 

@@ -9,99 +9,54 @@
 3. **Feed** (``feed.ShardFeed``): the remaining rows, rendered and tokenized
    ahead of the engine, saved every checkpoint interval; SIGTERM and SIGINT
    (Slurm's time limit, scancel, Ctrl+C) stop it after a last save.
-4. **Commit** (``ShardJob.commit``): the shard file and its stats.
+4. **Commit** (``ShardJob.commit``): the shard file and its stats (``stats.shard_record``).
 
 A job that stops for a signal raises ``Interrupted`` (the command exits with
 3, so Snakemake retries it); the next attempt resumes from the saved rows.
+
+A job hands each of its shards its context (``JobContext``: the engine, the
+model record, the stop flag). A job of several shards, an elastic worker and
+the ``generate`` command live in ``workers``, the stop flag in ``stopflag``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
+import functools
 import json
 import logging
 import os
-import signal
-import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen import heads, jobenv, jobinfo, memory, multinode, records, splits
-from shardgen.config import RunConfig, content_config, digest, warnings
-from shardgen.engine import Engine, EngineSettings, engine_kwargs
-from shardgen.errors import ShardgenError
+from shardgen import claims, fetch, heads, jobenv, jobinfo, memory, multinode, records, splits
+from shardgen.claims import ClaimLost
+from shardgen.config import RunConfig, warnings
+from shardgen.engine import Engine, EngineSettings
 from shardgen.feed import ErrorBudget, RowInputs, RowStream, ShardFeed, ShardWork
-from shardgen.installed import vllm_version
+from shardgen.identity import shard_fingerprint
 from shardgen.io import Dir, atomic_write_text
 from shardgen.lora import Adapters
+from shardgen.memory import OutOfMemory
 from shardgen.multinode import WorkersLost
-from shardgen.openai_batch import served_urls
 from shardgen.outputs import ShardCheckpoint
-from shardgen.plan import Manifest, Shard, check_columns, work_order
+from shardgen.plan import Manifest, Shard, check_columns, holds, work_order
 from shardgen.prompts import PromptRenderer
 from shardgen.results import result_spec
 from shardgen.rundir import RunDir, committed_fingerprint
-from shardgen.sources import Source
-from shardgen.stats import AttemptCounters, shard_stats
+from shardgen.sources import Source, served_urls
+from shardgen.stats import AttemptCounters, shard_record
+from shardgen.stopflag import Interrupted, StopFlag
 from shardgen.tasks import make_task
 
 log = logging.getLogger(__name__)
 
 
-class Interrupted(ShardgenError):
-    """The job was asked to stop (SIGTERM, SIGINT); finished rows are saved."""
-
-    outcome = records.INTERRUPTED
-
-    def __init__(self, signum: int, shard_id: str) -> None:
-        self.signal_name = signal.Signals(signum).name
-        super().__init__(
-            f"shard {shard_id}: stopped by {self.signal_name}; finished rows are saved and the next attempt "
-            "resumes from them"
-        )
-
-
-class OutOfMemory(ShardgenError):
-    """The engine ran out of memory; the next attempt takes one step from the settings this one used.
-
-    ``record``: the kind, the stage, the error and the settings, kept in the attempt's entry of
-    ``attempts.jsonl``.
-    """
-
-    outcome = records.OUT_OF_MEMORY
-
-    def __init__(self, message: str, record: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.record = record
-
-
 # -- Phase 1: prepare ---------------------------------------------------------------------------------
-
-
-def shard_fingerprint(config: RunConfig, manifest: Manifest, shard: Shard) -> str:
-    """Everything that decides the shard's content: its input rows and the content config."""
-    src = manifest.data["source"]
-    if "files" in src:  # Parquet files, OpenAI batch files: each by its path, size and modification time
-        inputs: Any = [
-            {k: src["files"][s.file][k] for k in ("path", "size", "mtime_ns")} | {"start": s.start, "stop": s.stop}
-            for s in shard.segments
-        ]
-    elif src["kind"] == "step":  # the committed shard of the step before: its own fingerprint
-        source = manifest.source()
-        inputs = {"step": [source.file_fingerprint(s.file) for s in shard.segments], "start": shard.start}
-    else:
-        inputs = {"fingerprint": src["fingerprint"], "start": shard.start, "stop": shard.stop}
-    return digest({"config": content_config(config.raw), "rows": inputs})
-
-
-# What the stats (and the output's provenance) keep of the model record.
-MODEL_SOURCE_KEYS = ("source", "path", "repo_id", "revision", "commit", "digest")
 
 
 @dataclass
@@ -141,8 +96,6 @@ class ShardJob:
             InputError: the input changed since planning.
             TooManyErrors: the saved rows already hold too many errors.
         """
-        from shardgen import fetch
-
         removed_env = jobenv.enter()  # done by the command already; in process (tests, benchmarks) here
         if model_record is None:
             model_record = fetch.resolve_model(config.model, allow_download=False, adapters=config.lora.adapters)
@@ -162,14 +115,9 @@ class ShardJob:
         done = ckpt.resume()
         log.info("shard %s: rows [%d, %d), %d done in checkpoints", shard.id, shard.start, shard.stop, len(done))
         attempts = ckpt.attempts()
-        attempt = records.AttemptStart(
-            attempt=len(attempts) + 1,
-            started=_now(),
-            host=jobinfo.host(),
-            pid=os.getpid(),
-            slurm=jobinfo.slurm_info(),
-            rows_done_before=len(done),
-        )
+        attempt = records.AttemptStart(attempt=len(attempts) + 1, started=records.now(), host=jobinfo.host(),
+                                       pid=os.getpid(), slurm=jobinfo.slurm_info(),
+                                       rows_done_before=len(done))  # fmt: skip
         ckpt.log_attempt(attempt)
         try:
             # Before any engine starts: the input is as planned, and the rows kept
@@ -177,7 +125,7 @@ class ShardJob:
             source.check_unchanged({seg.file for seg in shard.segments})
             budget = ErrorBudget(shard.id, shard.rows, config.errors.max_rate, ckpt.resumed_errors, ckpt.first_error)
         except BaseException as e:
-            ckpt.log_attempt(_attempt_end(e, ckpt.saved_inputs))
+            ckpt.log_attempt(records.attempt_end(e, ckpt.saved_inputs))
             ckpt.close()
             raise
         for warning in warnings(config.raw):
@@ -199,11 +147,6 @@ class ShardJob:
         return records.Progress(attempt=a.attempt, host=a.host, pid=a.pid, job_id=a.slurm.get("job_id"),
                                 started=self.started, time=time.time(), rows=self.shard.rows, done=done,
                                 resumed=len(self.done), saved=saved, error_reasons=error_reasons)  # fmt: skip
-
-    def memory_failures(self) -> list[dict[str, Any]]:
-        """Earlier attempts that ran out of memory, oldest first: kind, stage, error, settings used."""
-        return [{"kind": a.kind, "stage": a.stage, "error": a.error, "settings": a.settings, "layout": a.layout}
-                for a in self.attempts if a.outcome == records.OUT_OF_MEMORY]  # fmt: skip
 
     def work(self) -> ShardWork:
         """What the feed reads from and writes to."""
@@ -231,7 +174,7 @@ class ShardJob:
     def record_end(self, error: BaseException, counters: AttemptCounters) -> None:
         """How this attempt ended, for the next one and for the stats."""
         try:  # refused (ClaimLost) once the shard is another worker's
-            self.ckpt.log_attempt(_attempt_end(error, self.ckpt.saved_inputs, counters.rows))
+            self.ckpt.log_attempt(records.attempt_end(error, self.ckpt.saved_inputs, counters.rows))
         except OSError as e:  # a full disk: the error that ended the attempt is the one to raise
             log.warning("shard %s: could not record how the attempt ended: %s", self.shard.id, e)
         finally:
@@ -243,20 +186,18 @@ class ShardJob:
         """Write the shard file from its parts, then its stats, then remove the parts (``ShardCheckpoint.
         commit``: a failure in between leaves the parts for the retry); return the stats."""
         if self.splitter is not None and (stop := self.splitter.stop_now()) != self.shard.stop:
-            from shardgen.claims import ClaimLost
-
             # a cut this attempt did not make: the holder before it, which lost its claim to this worker
             # after deciding it. Left unreleased: a takeover after the lease resumes the piece as it is
             # now (a part with rows past the cut is set aside, its rows run again), as after any lost claim.
             raise ClaimLost(f"shard {self.shard.id}: its rows end at {stop} by {self.splitter.splits.path}, "
                             f"not at {self.shard.stop} as this attempt ran them; not committed")  # fmt: skip
         history = self.ckpt.attempts()
-        history[-1] = dataclasses.replace(history[-1], outcome=records.COMMITTED, ended=_now(),
+        history[-1] = dataclasses.replace(history[-1], outcome=records.COMMITTED, ended=records.now(),
                                           rows_generated=run.counters.rows)  # fmt: skip
         out: dict[str, Any] = {}
 
         def write_stats(table: Any) -> None:
-            out.update(self._stats(table, history, run))
+            out.update(shard_record(self, run, table, history, multinode.job_nodes(), multinode.node_name()))
             atomic_write_text(stats_path, json.dumps(out, indent=1, default=str) + "\n", below=self.config.output.dir)
 
         with Dir.open(Path(output).parent, below=self.config.output.dir) as shards:  # a killed commit's
@@ -264,55 +205,6 @@ class ShardJob:
                 shards.remove_leftovers(name)
         self.ckpt.commit(output, write_stats)
         return out
-
-    def _stats(self, table: Any, history: list[records.Attempt], run: AttemptRun) -> dict[str, Any]:
-        settings = run.settings
-        stats = shard_stats(
-            self.shard,
-            table,
-            len(self.done),
-            run.counters,
-            run.engine_seconds,
-            run.generation_seconds,
-            time.time() - self.started,
-            self.config.model.gpus,
-            run.engine_delta,
-            self.config.task,
-        )
-        slurm = self.attempt.slurm
-        stats.update(
-            fingerprint=self.fingerprint,
-            config_fingerprint=self.config.fingerprint,
-            feed=run.feed,
-            checkpoints_discarded=self.ckpt.discarded,
-            engine={
-                "vllm_version": vllm_version(),
-                "args": engine_kwargs(settings.model),
-                "environment": settings.environment,
-                "batch_invariant": bool(settings.model.get("batch_invariant")),
-            },
-            attempts=[a.as_dict() for a in history],
-            memory_failures=self.memory_failures(),
-            memory_overrides=settings.memory_overrides,
-            gpu_devices=settings.gpus,
-            gpu_model=", ".join(sorted({g.get("name") or "?" for g in settings.gpus})) or None,
-            precision=settings.precision,
-            model_source={k: self.model_record.get(k) for k in MODEL_SOURCE_KEYS},
-            lora_adapters={
-                name: {k: a.get(k) for k in ("source", "path", "repo_id", "commit")}
-                for name, a in (self.model_record.get("adapters") or {}).items()
-            },
-            peak_rss_mib=jobinfo.peak_rss_mib(),
-            host=self.attempt.host,
-            nodes=self.config.resources.nodes,  # the engine's; gpus and gpu_hours count all of theirs
-            node_names=multinode.job_nodes() or [self.attempt.host],
-            node_gpus={multinode.node_name(): settings.gpus, **run.worker_gpus} if run.worker_gpus else None,
-            slurm=slurm,
-            queue_wait_seconds=slurm.get("queue_wait_seconds"),
-            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-            thread_env_removed=self.removed_env,
-        )
-        return stats
 
 
 @dataclass
@@ -328,6 +220,29 @@ class AttemptRun:
     worker_gpus: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # the engine's other nodes'
 
 
+@dataclass
+class JobContext:
+    """What a job hands each of its shards besides the shard itself.
+
+    Attributes:
+        engine: the job's engine handle; by default one that starts for the shard and stops at its
+            end (a job's shards share one, tests share a running one).
+        model_record: where the fetch step found the model (``fetch.resolve_model``); when None, it
+            is looked up on the local disk only.
+        window: requests kept in flight (default: twice the engine's ``max_num_seqs``).
+        guard: called before every write of the shard's files: an elastic worker's claim check. Without
+            one, the job owns the shard through a claim of its own (``claims.own``) before it reads anything.
+        stop: the job's stop flag, when the job runs several shards: a signal that came during an
+            earlier shard (its commit, say) stops this one before it starts. By default one of its own.
+    """
+
+    engine: Engine | None = None
+    model_record: dict[str, Any] | None = None
+    window: int | None = None
+    guard: Callable[[], None] | None = None
+    stop: StopFlag | None = None
+
+
 # -- The job: the four phases -------------------------------------------------------------------------
 
 
@@ -337,37 +252,30 @@ def run_shard(
     shard_id: str,
     output: str | Path,
     stats_path: str | Path,
-    engine: Engine | None = None,
-    model_record: dict[str, Any] | None = None,
-    window: int | None = None,
-    guard: Callable[[], None] | None = None,
-    stop: _StopFlag | None = None,
+    context: JobContext | None = None,
 ) -> dict[str, Any]:
     """Generate one shard and commit its output and stats. Returns the stats.
 
     Args:
-        engine: the job's engine handle; by default one that starts here and
-            stops at the end (a job's shards share one, tests share a running one).
-        model_record: where the fetch step found the model (``fetch.resolve_model``);
-            when None, it is looked up on the local disk only.
-        window: requests kept in flight (default: twice the engine's ``max_num_seqs``).
-        guard: called before every write of the shard's files: an elastic worker's claim check. Without
-            one, the job owns the shard through a claim of its own (``_own``) before it reads anything.
-        stop: the job's stop flag, when the job runs several shards: a signal that came during an
-            earlier shard (its commit, say) stops this one before it starts. By default one of its own.
+        context: the job's engine, model record, window, guard and stop flag (``JobContext``); by
+            default the shard starts an engine and installs a stop flag of its own.
 
     Raises:
         Interrupted: SIGTERM or SIGINT arrived; finished rows are saved.
         OutOfMemory: the engine ran out of memory; the next attempt takes a step.
         TooManyErrors, WrongGpus, InputError: as their messages say.
     """
-    own = engine is None
-    engine = engine or Engine()
+    context = context or JobContext()
+    own = context.engine is None
+    engine = context.engine or Engine()
     try:
-        with contextlib.nullcontext(stop) if stop is not None else _StopFlag() as stop:
+        with contextlib.nullcontext(context.stop) if context.stop is not None else StopFlag() as stop:
             if stop():
                 raise Interrupted(stop.signal, shard_id)
-            with contextlib.nullcontext() if guard else _own(config, shard_id, stop) as claim:
+            context = dataclasses.replace(context, engine=engine, stop=stop)
+            sleep = functools.partial(stop.sleep, shard_id=shard_id)  # a signal stops the wait for a claim
+            run_dir, lease = RunDir(config.output.dir), config.shards.lease_seconds
+            with contextlib.nullcontext() if context.guard else claims.own(run_dir, shard_id, lease, sleep) as claim:
                 if claim is not None and Path(output).exists():  # written since Snakemake started this job
                     manifest = Manifest.load(manifest_path)
                     if committed(config, manifest, manifest.shard(shard_id), output, stats_path):
@@ -375,10 +283,11 @@ def run_shard(
                         log.info("shard %s: committed meanwhile by the job that held it; kept", shard_id)
                         claim.release()
                         return json.loads(Path(stats_path).read_text())
-                job = ShardJob.prepare(config, manifest_path, shard_id, model_record, guard or claim.check)
+                guard = context.guard or claim.check
+                job = ShardJob.prepare(config, manifest_path, shard_id, context.model_record, guard)
                 counters = AttemptCounters()
                 try:
-                    run = _run(job, engine, stop, counters, window)
+                    run = _run(job, context, counters)
                     stats = job.commit(output, stats_path, run)
                 except BaseException as e:
                     job.record_end(e, counters)
@@ -394,27 +303,12 @@ def run_shard(
             engine.close()
 
 
-@contextlib.contextmanager
-def _own(config: RunConfig, shard_id: str, stop: _StopFlag) -> Iterator[Any]:
-    """This job's claim on a shard (``claims.ClaimBoard.acquire``), its heartbeat renewed while it runs:
-    a retry overlapping its dying attempt, or a rerun's job beside an orphan of a killed controller,
-    waits until the other is gone instead of writing beside it. A signal stops the wait."""
-    from shardgen.claims import ClaimBoard, Holder
+def _run(job: ShardJob, context: JobContext, counters: AttemptCounters) -> AttemptRun:
+    """Phases 2 and 3: the engine for this job's GPUs, then the feed of the remaining rows.
 
-    run_dir = RunDir(config.output.dir)
-    board = ClaimBoard(run_dir.claims, Holder.here(-1), config.shards.lease_seconds, below=run_dir.root,
-                       sleep=lambda seconds: stop.sleep(seconds, shard_id))  # fmt: skip
-    try:
-        with board.acquire(shard_id) as claim:
-            yield claim
-    finally:
-        board.close()
-
-
-def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounters, window: int | None) -> AttemptRun:
-    """Phases 2 and 3: the engine for this job's GPUs, then the feed of the remaining rows."""
+    ``context`` holds the job's engine and stop flag (``run_shard`` fills in its defaults)."""
     log_start = jobinfo.own_log_size()  # what this attempt writes to the job's log comes after
-    failures = job.memory_failures()
+    failures = memory.failures_of(job.attempts)
     settings = EngineSettings.for_job(job.config, job.model_record, failures)
     run = AttemptRun(settings, counters)
     log.info("shard %s: %d GPU(s) %s; precision: %s", job.shard.id, len(settings.gpus),
@@ -431,7 +325,17 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
         raise OutOfMemory(f"shard {job.shard.id}: the model's weights did not fit in the last attempt, on the same "
                           f"GPUs with the same model and parallelism ({layout}); not loaded again. "
                           f"{memory.advice('weights_too_large')}", failed)  # fmt: skip
+    llm = _start_engine(job, context, run, log_start, layout)
+    _feed(job, context, run, llm, log_start, layout)
+    return run
 
+
+def _start_engine(job: ShardJob, context: JobContext, run: AttemptRun, log_start: int, layout: dict[str, Any]) -> Any:
+    """Phase 2: the engine with the attempt's settings (``run.settings``); returns vLLM's ``LLM``.
+
+    ``log_start`` and ``layout``: where this attempt's part of the job's log begins, and what the
+    model is loaded on, for the record of a memory failure (``memory.raise_if_memory``)."""
+    engine, stop, settings = context.engine, context.stop, run.settings
     jobenv.apply(settings.environment)  # before vLLM starts its processes, which inherit it
     t0 = time.time()
     try:
@@ -445,18 +349,25 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
         if engine.workers_lost:
             raise WorkersLost(f"shard {job.shard.id}: {engine.workers_lost}") from e
         used = memory.used_settings(settings.model, settings.memory_defaults)
-        _raise_if_memory(e, "engine start", used, log_start, layout)
+        memory.raise_if_memory(e, "engine start", used, log_start, layout)
         raise
     run.engine_seconds = time.time() - t0  # about 0 when the job's engine was running already
+    return llm
 
-    tokenizer = engine.tokenizer(job.config.kind.generates, job.config.prompt.chat_template_kwargs)
+
+def _feed(
+    job: ShardJob, context: JobContext, run: AttemptRun, llm: Any, log_start: int, layout: dict[str, Any]
+) -> None:
+    """Phase 3: the remaining rows through the engine's ``llm``, and what the feed and the engine counted."""
+    engine, stop, config = context.engine, context.stop, job.config
+    tokenizer = engine.tokenizer(config.kind.generates, config.prompt.chat_template_kwargs)
     job.renderer.max_chars = tokenizer.max_prompt_chars
-    task = make_task(job.config, tokenizer, job.head)
+    task = make_task(config, tokenizer, job.head)
     loras = job.model_record.get("adapters") or {}
-    adapters = Adapters(job.config.lora, loras, settings.build) if job.config.lora.adapters else None
-    urls = served_urls(job.config)
-    inputs = RowInputs(adapters, job.config.prompt.images, urls, step=job.config.input.step is not None)
-    feed = ShardFeed(job.work(), task, tokenizer, llm, stop, counters, window, inputs)
+    adapters = Adapters(config.lora, loras, run.settings.build) if config.lora.adapters else None
+    urls = served_urls(config)
+    inputs = RowInputs(adapters, config.prompt.images, urls, step=config.input.step is not None)
+    feed = ShardFeed(job.work(), task, tokenizer, llm, stop, run.counters, context.window, inputs)
     before = engine.counters()
     t1 = time.time()
     try:
@@ -466,7 +377,7 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
             raise Interrupted(stop.signal, job.shard.id) from e
         if engine.workers_lost:
             raise WorkersLost(f"shard {job.shard.id}: {engine.workers_lost}") from e
-        _raise_if_memory(e, "generation", engine.memory_settings(), log_start, layout)
+        memory.raise_if_memory(e, "generation", engine.memory_settings(), log_start, layout)
         raise
     finally:
         run.generation_seconds = time.time() - t1
@@ -476,126 +387,9 @@ def _run(job: ShardJob, engine: Engine, stop: _StopFlag, counters: AttemptCounte
         run.worker_gpus = engine.worker_gpus
     if stop():
         raise Interrupted(stop.signal, job.shard.id)
-    return run
 
 
-def run_shards(
-    config: RunConfig,
-    manifest_path: str | Path,
-    shard_ids: list[str],
-    model_record: dict[str, Any] | None = None,
-    engine: Engine | None = None,
-) -> list[dict[str, Any]]:
-    """Several shards in one job with one engine start, each as ``run_shard`` does it.
-
-    A shard already committed with this config and input is kept: a retry of
-    a job that died after some of its shards goes on with the rest.
-    Returns the stats of the shards generated now.
-    """
-    manifest = Manifest.load(manifest_path)
-    run_dir = RunDir(config.output.dir)
-    own = engine is None
-    engine = engine or Engine()
-    done = []
-    try:
-        with _StopFlag() as stop:  # one for the job: a signal between two shards stops the next
-            for shard_id in shard_ids:
-                out, stats = run_dir.shard_file(shard_id), run_dir.shard_stats(shard_id)
-                if committed(config, manifest, manifest.shard(shard_id), out, stats):
-                    log.info("shard %s: already committed with this configuration; kept", shard_id)
-                    continue
-                done.append(run_shard(config, manifest_path, shard_id, out, stats, engine, model_record, stop=stop))
-    finally:
-        if own:
-            engine.close()
-    return done
-
-
-def run_worker(
-    config: RunConfig,
-    manifest_path: str | Path,
-    worker: int,
-    model_record: dict[str, Any] | None = None,
-    engine: Engine | None = None,
-) -> dict[str, Any]:
-    """One elastic worker (``shards.workers``): claim shards and run each as ``run_shard`` does, on one
-    engine, until no shard is left for this worker (``claims.ClaimBoard.next``). Returns the worker's
-    record: the shards it committed, took over or lost, its engine starts and where its time went.
-
-    Raises:
-        Interrupted: SIGTERM or SIGINT; the shard's rows are saved and its claim kept for this worker's
-            retry (or, after the lease, another worker). A worker waiting for a silent claim's lease to
-            run out stops at once.
-        OutOfMemory, TooManyErrors, ...: a shard failed; its claim is marked failed, so only this
-            worker's retry tries it again.
-    """
-    from shardgen.claims import ClaimBoard, ClaimLost, Holder
-
-    started = time.time()
-    manifest = Manifest.load(manifest_path)
-    run_dir = RunDir(config.output.dir)
-    holder = Holder.here(worker)
-    stop = _StopFlag()  # one for the job: a signal between two shards, or during a wait, stops it
-    board = ClaimBoard(run_dir.claims, holder, config.shards.lease_seconds, below=run_dir.root,
-                       sleep=lambda seconds: stop.sleep(seconds, "(none claimed)"))  # fmt: skip
-    own = engine is None
-    engine = engine or Engine()
-    record: dict[str, Any] = {"worker": worker, "host": holder.host, "job_id": holder.job_id, "committed": [],
-                              "kept": [], "taken_over": [], "lost": []}  # fmt: skip
-    done: set[str] = set()
-    order = work_order(manifest)  # largest estimated work first
-    run_splits = splits.of_run(config)
-    thief = None
-    if run_splits is not None and config.shards.split_seconds > 0:
-        thief = splits.Thief(run_splits, run_dir, asdict(holder), config.shards.split_seconds,
-                             sleep=lambda seconds: stop.sleep(seconds, "(asking for a split)"))  # fmt: skip
-
-    def work() -> list[str]:  # the plan's shards, then the pieces splits made
-        return order + run_splits.new_pieces(manifest) if run_splits else order
-
-    def is_done(shard_id: str) -> bool:
-        if shard_id not in done:  # a committed shard is not looked at again (nor its cuts listed)
-            files = run_dir.shard_file(shard_id), run_dir.shard_stats(shard_id)
-            shard = run_splits.piece(manifest, shard_id) if run_splits else manifest.shard(shard_id)
-            if committed(config, manifest, shard, *files):
-                done.add(shard_id)
-        return shard_id in done
-
-    try:
-        with stop:
-            while (claim := board.next(work, is_done, thief.steal if thief else None)) is not None:
-                with claim:
-                    shard_id = claim.shard
-                    if claim.took_over and claim.took_over.get("worker") != worker:
-                        record["taken_over"].append(shard_id)
-                    if is_done(shard_id):
-                        record["kept"].append(shard_id)
-                        claim.release()
-                        continue
-                    try:
-                        run_shard(config, manifest_path, shard_id, run_dir.shard_file(shard_id),
-                                  run_dir.shard_stats(shard_id), engine, model_record,
-                                  guard=claim.check, stop=stop)  # fmt: skip
-                    except ClaimLost as e:
-                        log.warning("%s", e)
-                        record["lost"].append(shard_id)
-                        continue
-                    except Interrupted:
-                        raise
-                    except BaseException as e:
-                        claim.mark_failed(e)
-                        raise
-                    done.add(shard_id)
-                    record["committed"].append(shard_id)
-                    claim.release()
-    finally:
-        board.close()
-        if run_splits is not None:
-            run_splits.close()
-        if own:
-            engine.close()
-    record.update(engine_starts=engine.starts, seconds=time.time() - started, splits_asked=thief.asked if thief else 0)
-    return record
+# -- The run's shards: which are committed, and what an elastic worker may claim ----------------------
 
 
 def committed(config: RunConfig, manifest: Manifest, shard: Shard, path: str | Path, stats: str | Path) -> bool:
@@ -609,148 +403,45 @@ def committed(config: RunConfig, manifest: Manifest, shard: Shard, path: str | P
         recorded = json.loads(Path(stats).read_text())
     except (OSError, ValueError):
         return False
-    return splits.holds(recorded, shard)
+    return holds(recorded, shard)
 
 
-def main_generate(config, manifest, shards, output, stats, model_record=None, record=None, worker=None) -> int:
-    """One shard (``output``, ``stats``), several in one job (and the job's ``record``), or an elastic
-    worker (``worker`` and its ``record``); several shards go where the run directory keeps them."""
-    from shardgen.fetch import load_record
+class WorkerShards:
+    """What an elastic worker (``shards.workers``) may claim, for ``claims.ClaimBoard.next``: the plan's
+    shards, largest estimated work first, then the pieces splits made of them (``splits``); which of
+    them are committed; and, with ``shards.split_seconds``, its requests for a split (``splits.Thief``).
 
-    model = load_record(model_record) if model_record else None
-    job = os.environ.get("SLURM_JOB_ID")
-    log.info("start on %s%s (pid %d)", jobinfo.host(), f", Slurm job {job}" if job else "", os.getpid())
-    try:
-        if worker is not None:
-            result = run_worker(config, manifest, worker, model)
-            atomic_write_text(record, json.dumps(result, indent=1) + "\n")
-            print(f"worker {worker}: {len(result['committed'])} shard(s) committed, "
-                  f"{len(result['taken_over'])} taken over, {len(result['lost'])} lost", file=sys.stderr)  # fmt: skip
-            return 0
-        if record is None:
-            (shard,) = shards
-            done = [run_shard(config, manifest, shard, output, stats, model_record=model)]
-        else:
-            done = run_shards(config, manifest, shards, model)
-    except Interrupted as e:
-        print(f"shardgen: {e}", file=sys.stderr)
-        return 3
-    for s in done:
-        print(
-            f"shard {s['shard']}: {s['rows']} rows ({s['errors']} errors, {s['rows_resumed']} resumed), "
-            f"{s['output_tokens_per_s'] or 0:.1f} output tok/s",
-            file=sys.stderr,
-        )
-    if record is not None:
-        atomic_write_text(record, json.dumps({"shards": shards, "generated_now": [s["shard"] for s in done]}) + "\n")
-    return 0
+    ``who`` is the worker's claim holder, ``sleep`` how its requests wait for an answer."""
 
+    def __init__(self, config: RunConfig, manifest: Manifest, who: dict[str, Any], sleep: Callable[[float], None]):
+        self.config, self.manifest = config, manifest
+        self.run_dir = RunDir(config.output.dir)
+        self.done: set[str] = set()
+        self.order = work_order(manifest)  # largest estimated work first
+        self.splits = splits.of_run(config)
+        self.thief = None
+        if self.splits is not None and config.shards.split_seconds > 0:
+            self.thief = splits.Thief(self.splits, self.run_dir, who, config.shards.split_seconds, sleep=sleep)
+        self.steal = self.thief.steal if self.thief else None
 
-# -- Signals, memory failures, the attempt's record ---------------------------------------------------
+    def ids(self) -> list[str]:
+        """The plan's shards, then the pieces splits made."""
+        return self.order + self.splits.new_pieces(self.manifest) if self.splits else self.order
 
+    def is_done(self, shard_id: str) -> bool:
+        """Whether the shard (or piece) is committed, as ``committed`` tells it."""
+        if shard_id not in self.done:  # a committed shard is not looked at again (nor its cuts listed)
+            files = self.run_dir.shard_file(shard_id), self.run_dir.shard_stats(shard_id)
+            shard = self.splits.piece(self.manifest, shard_id) if self.splits else self.manifest.shard(shard_id)
+            if committed(self.config, self.manifest, shard, *files):
+                self.done.add(shard_id)
+        return shard_id in self.done
 
-class _StopFlag:
-    """Set by SIGTERM/SIGINT while installed; the feed loop polls it."""
+    @property
+    def asked(self) -> int:
+        """How many splits the worker asked for."""
+        return self.thief.asked if self.thief else 0
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self._previous: dict[int, Any] = {}
-        self._raise_for: str | None = None  # the shard whose engine is starting
-
-    def __call__(self) -> bool:
-        return self.signal is not None
-
-    def _handler(self, signum, _frame) -> None:
-        if self.signal is None:
-            log.warning("received %s: stopping after saving finished rows", signal.Signals(signum).name)
-        self.signal = signum
-        if self._raise_for is not None:
-            shard_id, self._raise_for = self._raise_for, None
-            raise Interrupted(signum, shard_id)
-
-    @contextlib.contextmanager
-    def raising(self, shard_id: str) -> Iterator[None]:
-        """Within: a signal raises ``Interrupted`` at once, and one that came before stops here.
-
-        For the engine's start (minutes on a GPU): Slurm sends SIGKILL KillWait seconds (30 by
-        default) after its SIGTERM, and a start that ran on until the feed loop polls the flag
-        would be killed with the attempt unrecorded. vLLM's client shuts the engine's processes
-        down when its constructor raises (``MPClient.__init__``, ``vllm/v1/engine/core_client.py``),
-        as for a Ctrl-C during the start.
-        """
-        if self.signal is not None:
-            raise Interrupted(self.signal, shard_id)
-        self._raise_for = shard_id
-        try:
-            yield
-        finally:
-            self._raise_for = None
-
-    def sleep(self, seconds: float, shard_id: str) -> None:
-        """Wait ``seconds``, or raise ``Interrupted`` as soon as a signal has come."""
-        end = time.monotonic() + seconds
-        while self.signal is None and (left := end - time.monotonic()) > 0:
-            time.sleep(min(left, 0.5))
-        if self.signal is not None:
-            raise Interrupted(self.signal, shard_id)
-
-    def __enter__(self) -> _StopFlag:
-        for s in self.SIGNALS:
-            self._previous[s] = signal.signal(s, self._handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, h in self._previous.items():
-            signal.signal(s, h)
-
-    def caused(self, error: Exception, grace_s: float = 2.0) -> bool:
-        """Whether ``error`` is the signal's doing: Slurm signals every process of a job (scancel, the time
-        limit), so vLLM's engine core gets the SIGTERM too and may die before this process's handler
-        has run; the engine's death is then the stop, not a failure (seen on the local Slurm)."""
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        deadline = time.time() + grace_s
-        while self.signal is None and isinstance(error, EngineDeadError) and time.time() < deadline:
-            time.sleep(0.05)  # the handler runs on this thread, between these sleeps
-        return self.signal is not None
-
-
-def _raise_if_memory(
-    error: Exception, stage: str, used: dict[str, Any], log_start: int, layout: dict[str, Any]
-) -> None:
-    """When ``error`` was memory running out, raise ``OutOfMemory``: the attempt's record keeps the
-    kind of failure, the settings it used, from which the next attempt takes one step, and what
-    it loaded on (``memory.layout``)."""
-    # the engine core runs in a child process, which writes the real cause to the job's log
-    text = "".join(traceback.format_exception(error)) + jobinfo.own_log_tail(since=log_start)
-    kind = memory.failure_kind(text)
-    if kind is None:
-        return
-    record = {"kind": kind, "stage": stage, "error": f"{type(error).__name__}: {error}"[:500], "settings": used,
-              "layout": layout}  # fmt: skip
-    if kind == "weights_too_large":
-        raise OutOfMemory(f"the model's weights did not fit during {stage}: {memory.advice(kind)}", record) from error
-    raise OutOfMemory(
-        f"{kind.replace('_', ' ')} during {stage} with {used}; the next attempt uses "
-        f"{memory.next_settings(kind, used)}. If it keeps failing: {memory.advice(kind)}",
-        record,
-    ) from error
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-
-
-def _attempt_end(error: BaseException, rows_saved: int, rows_generated: int | None = None) -> records.AttemptEnd:
-    """How an attempt ended, for its entry in ``attempts.jsonl``: the outcome the error declares
-    (``ShardgenError.outcome``; any other error is ``failed``) and what the next attempt needs of it.
-    (No ClaimLost: a worker that lost its claim writes no end record, ``ShardCheckpoint.log_attempt``.)"""
-    end = {"ended": _now(), "rows_saved": rows_saved, "rows_generated": rows_generated}
-    if isinstance(error, Interrupted):
-        return records.AttemptEnd(error.outcome, signal=error.signal_name, **end)
-    if isinstance(error, OutOfMemory):
-        return records.AttemptEnd(error.outcome, **error.record, **end)
-    outcome = getattr(error, "outcome", "failed") if isinstance(error, ShardgenError) else "failed"
-    return records.AttemptEnd(outcome, error=f"{type(error).__name__}: {error}"[:1000], **end)
+    def close(self) -> None:
+        if self.splits is not None:
+            self.splits.close()

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardgen.fetch import model_path
+
 # Architectures whose reward is one value per token (vllm/model_executor/models/qwen2_rm.py,
 # internlm2.py: token_classify poolers).
 TOKEN_REWARD_SUFFIXES = ("ForProcessRewardModel", "ForRewardModel", "RewardModel")
@@ -120,6 +122,5 @@ def read_for(model_record: Mapping[str, Any] | None) -> Head | None:
     """The head of the run's model (``fetch.resolve_model``'s record), or None without one."""
     if not model_record:
         return None
-    from shardgen.fetch import model_path
 
     return Head.read(model_path(dict(model_record)))

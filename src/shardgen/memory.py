@@ -41,7 +41,11 @@ independent of both.
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
+
+from shardgen import jobinfo, records
+from shardgen.errors import ShardgenError
 
 # What vLLM and PyTorch print, lower-cased, per failure kind (first match wins).
 FAILURE_PATTERNS = {
@@ -137,6 +141,12 @@ def next_settings(kind: str, used: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def failures_of(attempts: list[records.Attempt]) -> list[dict[str, Any]]:
+    """Earlier attempts that ran out of memory, oldest first: kind, stage, error, settings used, layout."""
+    return [{"kind": a.kind, "stage": a.stage, "error": a.error, "settings": a.settings, "layout": a.layout}
+            for a in attempts if a.outcome == records.OUT_OF_MEMORY]  # fmt: skip
+
+
 def overrides(failures: list[dict[str, Any]]) -> dict[str, Any]:
     """What this attempt changes after ``failures`` (the attempts that ran out of memory, oldest
     first): the last failure's step from the settings it used, on top of the steps before it."""
@@ -189,3 +199,43 @@ def advice(kind: str) -> str:
     if kind == "device_memory_short":
         return "another process holds GPU memory: lower model.gpu_memory_utilization, or ask Slurm for whole GPUs"
     return "lower model.max_num_seqs and model.max_num_batched_tokens, or use more GPUs (tensor_parallel_size)"
+
+
+# -- The error an attempt ends with -------------------------------------------------------------------
+
+
+class OutOfMemory(ShardgenError):
+    """The engine ran out of memory; the next attempt takes one step from the settings this one used.
+
+    ``record``: the kind, the stage, the error and the settings, kept in the attempt's entry of
+    ``attempts.jsonl``.
+    """
+
+    outcome = records.OUT_OF_MEMORY
+
+    def __init__(self, message: str, record: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.record = record
+
+    def attempt_fields(self) -> dict[str, Any]:
+        return self.record
+
+
+def raise_if_memory(error: Exception, stage: str, used: dict[str, Any], log_start: int, layout: dict[str, Any]) -> None:
+    """When ``error`` was memory running out, raise ``OutOfMemory``: the attempt's record keeps the
+    kind of failure, the settings it used, from which the next attempt takes one step, and what
+    it loaded on (``layout``)."""
+    # the engine core runs in a child process, which writes the real cause to the job's log
+    text = "".join(traceback.format_exception(error)) + jobinfo.own_log_tail(since=log_start)
+    kind = failure_kind(text)
+    if kind is None:
+        return
+    record = {"kind": kind, "stage": stage, "error": f"{type(error).__name__}: {error}"[:500], "settings": used,
+              "layout": layout}  # fmt: skip
+    if kind == "weights_too_large":
+        raise OutOfMemory(f"the model's weights did not fit during {stage}: {advice(kind)}", record) from error
+    raise OutOfMemory(
+        f"{kind.replace('_', ' ')} during {stage} with {used}; the next attempt uses "
+        f"{next_settings(kind, used)}. If it keeps failing: {advice(kind)}",
+        record,
+    ) from error

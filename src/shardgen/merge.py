@@ -22,16 +22,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from shardgen import __version__, cost, formats, heads, openai_batch, splits
+from shardgen import cost, formats, heads
 from shardgen.config import RunConfig, published_sampling
 from shardgen.errors import MergeError
+from shardgen.fetch import load_record
 from shardgen.io import Dir, atomic_write_text
 from shardgen.outputs import CONFIG_KEY, SHARD_KEY, count_problems, rows_per_input
-from shardgen.plan import Manifest, Shard
-from shardgen.results import result_spec
+from shardgen.plan import Manifest, Shard, run_shards
+from shardgen.results import DROPPED, result_spec
+from shardgen.rowsampling import logprobs_of
 from shardgen.rundir import RunDir
 from shardgen.stats import RunTotals, summary_text
-from shardgen.steps import DROPPED
+from shardgen.version import __version__
 
 BATCH_ROWS = 8192
 
@@ -211,15 +213,13 @@ def merge(
     """
     manifest = Manifest.load(manifest_path)
     run_dir = RunDir(config.output.dir)
-    run_splits = splits.of_run(config)
-    shards = run_splits.all_pieces(manifest) if run_splits else manifest.shards
+    shards = run_shards(manifest, run_dir, bool(config.shards.workers))
     run, first, config_fp, checked = _check_shards(
         shards, run_dir, lambda version: config.fingerprint_with(version) if version else config.fingerprint
     )
     prov = provenance(config, first, run, config_fp)
 
     def empty() -> pa.Schema:  # the schema of an output without rows (input.allow_empty)
-        from shardgen.fetch import load_record
 
         head = heads.read_for(load_record(model_record)) if model_record and config.kind.needs_head else None
         schema = result_spec(config, head).schema(manifest.source().schema).remove_metadata()
@@ -232,7 +232,7 @@ def merge(
     dropped = [0] if config.input.step else None
     formats.write(
         config.output.format, output, _batches(shards, run_dir, checked, dropped), empty, prov,
-        config.input.id_column, openai_batch.logprobs_of(config.sampling, config.input.sampling_column),
+        config.input.id_column, logprobs_of(config.sampling, config.input.sampling_column),
     )  # fmt: skip
     stats = run.result()
     if dropped is not None:  # rows the step before did not pass on: not this step's rows

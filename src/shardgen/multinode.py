@@ -50,8 +50,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from shardgen import jobenv
+from shardgen import gpus, jobenv, jobinfo
 from shardgen.errors import ShardgenError
+from shardgen.jobinfo import scontrol_jobs
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +95,6 @@ def job_record() -> dict[str, str]:
     Asked, not read from ``SLURM_*`` variables: the Slurm plugin's job step removes them from
     the rule's environment (snakemake-executor-plugin-slurm-jobstep, ``run_job``), all but the job id.
     """
-    from shardgen.jobinfo import scontrol_jobs
-
     job_id = os.environ.get("SLURM_JOB_ID")
     jobs = scontrol_jobs(job_id) if job_id else []
     return jobs[0] if jobs else {}
@@ -221,7 +220,7 @@ class Workers:
         if code == 0:
             # The workers left on a SIGTERM (they exit 0 then): Slurm's early --signal reaches a job's
             # steps but not its batch step, where this process runs. Stop as if it had come here. The
-            # signal cannot be lost: the job's handler (generate._StopFlag, installed for the whole
+            # signal cannot be lost: the job's handler (stopflag.StopFlag, installed for the whole
             # job, between its shards too) only sets a flag, which the feed loop and the next shard
             # read, and raises during the engine's start, after setting it.
             log.warning("the engine's workers left on a signal from Slurm: stopping after saving finished rows")
@@ -284,7 +283,6 @@ def main_worker() -> int:
     """One node's headless executor: the workers of its GPUs, until the head ends the step."""
     kwargs = json.loads(os.environ.pop("SHARDGEN_ENGINE_ARGS"))
     nodes, address, port = json.loads(os.environ.pop("SHARDGEN_ENGINE_HEAD"))
-    from shardgen import gpus, jobinfo
 
     rank = int(os.environ["SLURM_PROCID"]) + 1  # the step runs on the job's nodes after the first (srun sets it)
     node = node_name()

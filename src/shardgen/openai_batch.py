@@ -47,11 +47,25 @@ request's pairs back as one result line.
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import itertools
 import json
+import os
 import re
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from shardgen import config as cfg
+from shardgen import formats, sources
+from shardgen.errors import ConfigError, InputError, ShardgenError
+from shardgen.io import replace_dir
+from shardgen.sources import BATCH_ROWS, ParquetSource, Segment, SourceKind, expand_patterns
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
@@ -66,6 +80,58 @@ URLS = {"generate": CHAT, "embed": EMBEDDINGS, "score": SCORE[1]}
 ALL_URLS = (CHAT, COMPLETIONS, EMBEDDINGS, *SCORE, *RERANK)
 # the finish reasons a chat completion may have; vLLM's others ("abort") make the row an error line
 FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
+
+
+# -- The config: what batch files in and out need (registered with config) --------------------------------
+
+
+def check_config(config: dict[str, Any]) -> None:
+    """``input.openai_batch`` (``batch_input``) and ``output.format: openai_batch`` in a run's config.
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    if config["input"].get("openai_batch"):
+        batch_input(config)
+    output = config["output"]
+    if output.get("format") == "openai_batch":
+        if config["task"] not in URLS:
+            raise ConfigError(f"output.format openai_batch is for task {', '.join(URLS)}, not {config['task']}")
+        if output.get("push_to_hub"):
+            raise ConfigError(
+                "output.push_to_hub needs a dataset: output.format parquet, jsonl or hf, not openai_batch"
+            )
+
+
+def batch_input(config: dict[str, Any]) -> None:
+    """input.openai_batch: the requests decide the prompt, the row id and each row's sampling; the
+    settings that say so are filled in here (and refused when set otherwise).
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    task, prompt, inputs = config["task"], config["prompt"], config["input"]
+    if task not in URLS:
+        raise ConfigError(f"input.openai_batch is for task {', '.join(URLS)}, not {task}")
+    own_prompt = (("template", "{{ input }}"), ("messages_column", "messages"), ("pair_template", "{{ pair }}"))
+    for key, own in own_prompt:
+        if prompt.get(key) not in (None, own):
+            raise ConfigError(f"prompt.{key}: the requests of input.openai_batch are the prompts; leave it unset")
+    if URLS[task] == CHAT and prompt.get("chat", True):
+        prompt["messages_column"] = "messages"
+    else:  # an embedding's input, a completion's prompt, the first text of a pair to score
+        prompt.update(template="{{ input }}", chat=False)
+    if cfg.task_kind(config).pairs:
+        prompt["pair_template"] = "{{ pair }}"  # the second text (openai_batch.request_rows)
+    sampling = "body" if cfg.task_kind(config).generates else None
+    for key, own in (("id_column", "custom_id"), ("sampling_column", sampling)):
+        if inputs.get(key) not in (None, own):
+            raise ConfigError(f"input.{key}: input.openai_batch sets it ({own}); leave it unset")
+        inputs[key] = own
+
+
+# before the core's checks: the settings the requests decide are filled in first
+cfg.register_check(check_config, before_core=True)
 
 
 def custom_id(row: dict[str, Any], id_column: str | None) -> str:
@@ -114,7 +180,7 @@ def result_line(
 
     Args:
         top_logprobs: how many of the most likely tokens the request asked for at each position
-            (``logprobs_of``); its ``logprobs`` column holds them beside the sampled token.
+            (``rowsampling.logprobs_of``); its ``logprobs`` column holds them beside the sampled token.
     """
     first = rows[0]
     index = first["row_index"]
@@ -227,14 +293,6 @@ def _score_body(rows: list[dict[str, Any]], index: int, model: str, created: int
 # -- Log-probabilities (results.LOGPROB_TYPE: per position the sampled token, then the top-k) ---------
 
 
-def logprobs_of(sampling: Any, sampling_column: str | None) -> Callable[[dict[str, Any]], int | None]:
-    """How many top tokens each request asked for (``top_logprobs``), from its row: the run's
-    ``sampling.logprobs``, or the row's own (``input.sampling_column``)."""
-    from shardgen.rowsampling import row_logprobs
-
-    return lambda row: row_logprobs(sampling, row.get(sampling_column) if sampling_column else None, sampling_column)
-
-
 def _token(entry: dict[str, Any]) -> str:
     # a token vLLM could not decode alone is named as its server names it
     return entry["token"] if entry["token"] is not None else f"token_id:{entry['token_id']}"
@@ -307,8 +365,6 @@ def scan_line(line: bytes, path: str, lineno: int, pairs: bool = False) -> tuple
         InputError: the line is not a JSON object with a string ``custom_id`` (valid Unicode), or nests
             deeper than ``MAX_DEPTH``, naming the file and line.
     """
-    from shardgen.errors import InputError
-
     where = f"input: '{path}', line {lineno}"
     try:
         request = json.loads(line)
@@ -422,7 +478,7 @@ def _kind(value: Any) -> str:
 
 
 def request_row(line: bytes) -> dict[str, Any]:
-    """The row of one request line (``sources.BATCH_SCHEMA``): its custom id and url, the chat
+    """The row of one request line (``BATCH_SCHEMA``): its custom id and url, the chat
     ``messages`` (text parts joined) or the text ``input`` (``input``, or a completion's ``prompt``),
     the sampling fields of its body as JSON (``body``), and what makes it invalid
     (``request_error``, naming the field), which makes it the row's error.
@@ -477,7 +533,7 @@ def request_row(line: bytes) -> dict[str, Any]:
 # The message fields beside role and content that vLLM's server gives the chat template
 # (vllm/renderers/chat_utils.py, _parse_chat_message_content: name and task, an assistant's tool_calls
 # and reasoning, a tool message's tool_call_id, a developer's tools), which a row's message (a role and
-# a content: sources.BATCH_SCHEMA) does not carry: one that is set is the row's error (null: absent, as
+# a content: BATCH_SCHEMA) does not carry: one that is set is the row's error (null: absent, as
 # vLLM has it). vLLM drops the others, as shardgen does.
 TEMPLATE_FIELDS = ("name", "task", "tool_calls", "reasoning", "tool_call_id", "tools")
 
@@ -606,3 +662,220 @@ def _texts(body: dict[str, Any], key: str) -> list[str]:
         if not isinstance(v, str):
             raise ValueError(f"body.{key}[{i}]: a string (multimodal content is not served)")
     return value
+
+
+# -- The input: request files as rows (a source kind, registered with sources) ----------------------------
+
+
+@dataclass(frozen=True)
+class BatchFileInfo:
+    """What planning records of one OpenAI Batch file: its rows (a row per line; in a score run a row
+    per pair of texts, ``openai_batch.request_rows``), and the byte offset of the line that holds every
+    ``BATCH_BLOCK``-th row (where a job starts reading a shard's lines), with the first row of that
+    line (``firsts``: recorded in a score run only, where a line may hold several rows)."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    rows: int
+    offsets: list[int] = field(default_factory=list)
+    firsts: list[int] | None = None
+
+    def first_row(self, block: int) -> int:
+        """The first row of the line at ``offsets[block]``."""
+        return self.firsts[block] if self.firsts is not None else block * BATCH_BLOCK
+
+
+BATCH_BLOCK = 1024  # rows between two recorded offsets
+# The columns of an OpenAI Batch input's rows (request_row makes them).
+BATCH_SCHEMA = pa.schema([
+    ("custom_id", pa.large_string()),
+    ("url", pa.large_string()),
+    ("messages", pa.large_list(pa.struct([("role", pa.large_string()), ("content", pa.large_string())]))),
+    ("input", pa.large_string()),
+    ("body", pa.large_string()),
+    ("request_error", pa.large_string()),
+])  # fmt: skip
+# A score run's rows (a row per pair of texts): the second text, and its place among its request's pairs.
+PAIR_SCHEMA = BATCH_SCHEMA.append(pa.field("pair", pa.large_string())).append(pa.field("pair_index", pa.int32()))
+
+
+class OpenAIBatchSource:
+    """OpenAI Batch API request files (JSON Lines), a request per line, in the order given, as rows
+    (``BATCH_SCHEMA``): planning reads every line once (each must be JSON with a unique
+    ``custom_id``) and records where each block of rows starts; a job seeks to its lines.
+
+    In a score run (``pairs``) a score or rerank request is a row per pair of texts (``PAIR_SCHEMA``),
+    each scored by its own engine request as a Parquet input's rows are; the merge gives the request's
+    pairs back as one result line (``openai_batch.requests``).
+    """
+
+    kind = "openai_batch"
+
+    def __init__(self, files: list[BatchFileInfo], models: list[str] | None = None, pairs: bool = False) -> None:
+        self.files = files
+        self.models = models or []  # the body.model values of the requests, when planned
+        self.pairs = pairs
+        self.schema = PAIR_SCHEMA if pairs else BATCH_SCHEMA
+        self._offsets = list(itertools.accumulate((f.rows for f in files), initial=0))
+
+    @classmethod
+    def scan(cls, patterns: list[str], pairs: bool = False) -> OpenAIBatchSource:
+        """Read the files once: row offsets, a JSON object per line, unique custom ids, one model.
+
+        Raises:
+            InputError: naming the file and line.
+        """
+        infos, seen, models = [], set(), set()
+        for path in expand_patterns(patterns, "input.openai_batch"):
+            offsets, firsts, rows, pos = [], [], 0, 0
+            st = os.stat(path)
+            with open(path, "rb") as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        custom_id, model, count = scan_line(line, path, lineno, pairs)
+                        while len(offsets) * BATCH_BLOCK < rows + count:  # the blocks that start in this line
+                            offsets.append(pos)
+                            firsts.append(rows)
+                        key = hashlib.blake2b(custom_id.encode(), digest_size=8).digest()
+                        if key in seen:
+                            raise InputError(f"input: '{path}', line {lineno}: the custom_id {custom_id!r} again")
+                        seen.add(key)
+                        models.add(model)
+                        rows += count
+                    pos += len(line)  # an empty line is no request
+            infos.append(BatchFileInfo(path, st.st_size, st.st_mtime_ns, rows, offsets, firsts if pairs else None))
+        models.discard(None)
+        if len(models) > 1:
+            raise InputError(
+                f"input.openai_batch: the requests name {len(models)} models ({', '.join(sorted(models)[:5])}); "
+                "a run serves one (model.model): split the file by model"
+            )
+        return cls(infos, sorted(models), pairs)
+
+    def to_manifest(self) -> dict[str, Any]:
+        files = [{k: v for k, v in asdict(f).items() if k != "firsts" or v is not None} for f in self.files]
+        # `pairs` only when set: the manifests of other runs stay as they were
+        return {"kind": self.kind, "files": files, "models": self.models} | ({"pairs": True} if self.pairs else {})
+
+    @classmethod
+    def from_manifest(cls, entry: dict[str, Any]) -> OpenAIBatchSource:
+        return cls([BatchFileInfo(**f) for f in entry["files"]], entry.get("models"), entry.get("pairs", False))
+
+    # files by path, size and modification time, rows by a running offset: as Parquet's
+    num_rows = ParquetSource.num_rows
+    describe = ParquetSource.describe
+    segments = ParquetSource.segments
+    check_unchanged = ParquetSource.check_unchanged
+
+    def read(
+        self, segments: list[Segment], batch_rows: int = BATCH_ROWS, columns: list[str] | None = None
+    ) -> Iterator[pa.RecordBatch]:
+        """Stream the requests of the segments as rows, from the recorded offset before each."""
+        self.check_unchanged({s.file for s in segments})
+        schema = self.schema if columns is None else pa.schema([self.schema.field(c) for c in columns])
+        for seg in segments:
+            info = self.files[seg.file]
+            block = seg.start // BATCH_BLOCK
+            row = info.first_row(block)
+            out: list[dict[str, Any]] = []
+            with open(info.path, "rb") as f:
+                f.seek(info.offsets[block])
+                for line in f:
+                    if not line.strip():
+                        continue
+                    if row >= seg.stop:
+                        break
+                    for request in request_rows(line, self.pairs):
+                        if seg.start <= row < seg.stop:
+                            out.append(request)
+                            if len(out) == batch_rows:
+                                yield pa.RecordBatch.from_pylist(out, schema=schema)
+                                out = []
+                        row += 1
+            if out:
+                yield pa.RecordBatch.from_pylist(out, schema=schema)
+
+    def byte_blocks(self, columns: list[str]) -> Iterator[tuple[int, int]]:
+        """``(rows, bytes)`` of each block of rows, from the recorded offsets (the whole request's; a
+        line of several blocks' rows counts in the first)."""
+        for info in self.files:
+            ends = [*info.offsets[1:], info.size]
+            for i, (start, end) in enumerate(zip(info.offsets, ends, strict=True)):
+                yield min(BATCH_BLOCK, info.rows - i * BATCH_BLOCK), end - start
+
+
+# planned from input.openai_batch; its manifest entries are of kind "openai_batch"
+sources.register_source(OpenAIBatchSource.kind, SourceKind(
+    OpenAIBatchSource.from_manifest, key="openai_batch",
+    open=lambda input_cfg, pairs: OpenAIBatchSource.scan(list(input_cfg.openai_batch), pairs),
+    files=lambda input_cfg: expand_patterns(list(input_cfg.openai_batch), "input.openai_batch"),
+    urls=served_urls,
+))  # fmt: skip
+
+# -- The output: OpenAI's result and error files (an output format, registered with formats) --------------
+
+
+def write_results(
+    path: Path,
+    batches: formats.Batches,
+    provenance: dict,
+    id_column: str | None,
+    top_logprobs: Callable[[dict[str, Any]], int | None],
+) -> None:
+    """OpenAI's result and error files, and the provenance naming their digests, in a directory
+    written beside ``path`` and swapped into place."""
+    task, model = provenance["task"], provenance["model"]
+    created = int(datetime.datetime.fromisoformat(provenance["created"]).timestamp())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
+        out = Path(tmp) / "out"
+        out.mkdir()
+        digests = {OUTPUT: hashlib.sha256(), ERRORS: hashlib.sha256()}
+        with open(out / OUTPUT, "wb") as ok, open(out / ERRORS, "wb") as failed:
+            rows = (row for _, batch in batches for row in batch.to_pylist())
+            for request in requests(rows):
+                line = result_line(request, task, model, created, id_column, top_logprobs(request[0]))
+                name, f = (OUTPUT, ok) if line["response"]["status_code"] == 200 else (ERRORS, failed)
+                data = (json.dumps(line, ensure_ascii=False, default=formats.json_default) + "\n").encode()
+                f.write(data)
+                digests[name].update(data)
+        sums = {f"{name}_sha256": d.hexdigest() for name, d in digests.items()}
+        (out / PROVENANCE).write_text(json.dumps({**provenance, **sums}, indent=1) + "\n")
+        replace_dir(out, path)
+
+
+def results_provenance(path: Path) -> dict[str, Any]:
+    """The provenance beside the result files, checked against the files it names.
+
+    Raises:
+        ShardgenError: it describes other files than those there.
+    """
+    prov = json.loads((path / PROVENANCE).read_text())
+    for name in (OUTPUT, ERRORS):
+        if prov.get(f"{name}_sha256") != formats.file_sha256(path / name):
+            raise ShardgenError(
+                f"'{path}/{PROVENANCE}' describes another '{name}' than the one there; run the "
+                "workflow again, which merges again"
+            )
+    return prov
+
+
+def results_usage(path: Path, batch_size: int) -> tuple[list[str], formats.ColumnReader]:
+    """The results' usage as columns: a request's prompt tokens, and its samples' generated ones summed."""
+    names = ["prompt_tokens", "generated_tokens"]
+
+    def usage_batches(columns: list[str]) -> Iterator[pa.RecordBatch]:
+        key = {"prompt_tokens": "prompt_tokens", "generated_tokens": "completion_tokens"}
+        for batch in formats.jsonl_batches(path / OUTPUT, ["response"], batch_size):
+            usage = [r["body"]["usage"] for r in batch.column("response").to_pylist()]
+            yield pa.RecordBatch.from_arrays([pa.array([u.get(key[c]) for u in usage]) for c in columns], columns)
+
+    return names, usage_batches
+
+
+# output.format openai_batch: <dir>/openai/, told by its result file
+formats.register("openai_batch", formats.OutputFormat(
+    write=write_results, holds=lambda path: (path / OUTPUT).exists(), provenance=results_provenance,
+    read_columns=results_usage,
+))  # fmt: skip

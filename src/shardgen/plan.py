@@ -14,15 +14,17 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-
 from shardgen.errors import InputError
 from shardgen.io import atomic_write_text
+from shardgen.outputs import check_input_columns
+from shardgen.prompts import PromptRenderer
+from shardgen.results import result_spec
+from shardgen.rundir import RunDir
 from shardgen.sources import Segment, Source, open_source, source_from_manifest
 
 if TYPE_CHECKING:
@@ -181,6 +183,14 @@ def guided_tail(cuts: list[int], curve: WorkCurve | RowCurve, workers: int) -> l
     return out
 
 
+# What features add to planning (``steps`` registers each): the plan of an input a feature plans itself,
+# by the input key that selects it (``input.step``: the step before's plan), and checks of the input
+# and of the plan before it is written.
+PLANNERS: dict[str, Callable[[RunConfig], dict[str, Any]]] = {}
+INPUT_CHECKS: list[Callable[[RunConfig, Source], None]] = []
+PLAN_CHECKS: list[Callable[[RunConfig, Manifest], None]] = []
+
+
 def check_columns(config: RunConfig, schema: Any, where: str, head: Any = None) -> None:
     """The input's columns (``schema``, of ``where``) for this config: unique, with every column the
     config reads, and none that a result column of this config would overwrite. Checked when the
@@ -191,10 +201,6 @@ def check_columns(config: RunConfig, schema: Any, where: str, head: Any = None) 
     Raises:
         InputError: naming the column and where it is.
     """
-    from shardgen.outputs import check_input_columns
-    from shardgen.prompts import PromptRenderer
-    from shardgen.results import result_spec
-
     renderer = PromptRenderer.from_config(config.prompt)
     prompt_key = "prompt.messages_column" if renderer.messages_column else "prompt.template"
     keyed = {"input.id_column": config.input.id_column, "input.sampling_column": config.input.sampling_column,
@@ -210,18 +216,14 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
         InputError: the input cannot be read, or a column the run needs is
             missing, or a column would clash with the output's own columns.
     """
-    from shardgen.prompts import PromptRenderer
-
-    if config.step:  # a step of a run of steps: the first reads the input, without the steps' columns
-        from shardgen.steps import check_bookkeeping, step_manifest
-
-        if config.input.step:
-            return step_manifest(config)
+    for key, planner in PLANNERS.items():  # an input a feature plans itself
+        if getattr(config.input, key, None):
+            return planner(config)
     source = open_source(config.input, config.kind.pairs)
     renderer = PromptRenderer.from_config(config.prompt)
     check_columns(config, source.schema, source.describe())
-    if config.step:
-        check_bookkeeping(source.schema.names, source.describe())
+    for check in INPUT_CHECKS:
+        check(config, source)
     if source.num_rows == 0 and not config.input.allow_empty:
         raise InputError(
             f"input: {source.describe()} has no rows; nothing to generate. "
@@ -295,6 +297,29 @@ class Manifest:
             raise InputError(f"manifest: no shard '{shard_id}' (the plan has {len(self.shards)})") from None
 
 
+# -- The shards a run writes ----------------------------------------------------------------------------
+# A feature may divide the plan's shards while a run goes (splits: an idle worker's cut makes pieces). It
+# registers how to find a run's pieces now; every reader of a run's shards (a job, the merge, shardgen
+# status) asks ``run_shards``, never the feature.
+PIECES: list[Callable[[Manifest, RunDir, bool], list[Shard] | None]] = []
+
+
+def run_shards(manifest: Manifest, run_dir: RunDir, workers: bool = True) -> list[Shard]:
+    """The shards a run writes now, in row order: the plan's, or the pieces a feature divided them into.
+    ``workers``: whether the run has elastic workers (only they split: a run without them never sees a
+    cut an earlier run of workers made); ``shardgen status``, which has no config, looks either way."""
+    for pieces in PIECES:
+        if (found := pieces(manifest, run_dir, workers)) is not None:
+            return found
+    return manifest.shards
+
+
+def holds(stats: dict[str, Any], shard: Shard) -> bool:
+    """Whether a committed file's stats hold the shard's rows as they are now (not a file committed
+    before a later cut narrowed it); stats without a range are a plan shard's, its whole rows."""
+    return (stats.get("row_start", shard.start), stats.get("row_stop", shard.stop)) == (shard.start, shard.stop)
+
+
 def work_order(manifest: Manifest) -> list[str]:
     """Shard ids in the order elastic workers take them: largest estimated work first (the plan's
     ``estimated_tokens`` when every shard has one, else rows), ties in plan order."""
@@ -306,10 +331,7 @@ def work_order(manifest: Manifest) -> list[str]:
 
 def write_manifest(config: RunConfig, path: str | Path) -> dict[str, Any]:
     manifest = build_manifest(config)
-    if config.step:  # a step of a run of steps: what its select reads is in its rows
-        from shardgen.results import result_spec
-        from shardgen.steps import check_select
-
-        check_select(config, pa.schema([*Manifest(manifest).source().schema, *result_spec(config).fields()]))
+    for check in PLAN_CHECKS:
+        check(config, Manifest(manifest))
     atomic_write_text(path, json.dumps(manifest, indent=1) + "\n")
     return manifest

@@ -25,14 +25,22 @@ from shardgen import heads, jobenv, lora, reasoning, rowsampling
 from shardgen.config import RunConfig, engine_version, warnings
 from shardgen.errors import InputError, RowError, ShardgenError
 from shardgen.feed import RowInputs
-from shardgen.gpus import FP4_WEIGHT_FORMATS, FP8_WEIGHT_FORMATS, MXFP4_WEIGHT_FORMATS, checkpoint_quant_method
+from shardgen.fetch import load_record, resolve_model
+from shardgen.gpus import (
+    FP4_WEIGHT_FORMATS,
+    FP8_WEIGHT_FORMATS,
+    MXFP4_WEIGHT_FORMATS,
+    checkpoint_quant_method,
+    installed_quantization_methods,
+)
 from shardgen.images import row_images
 from shardgen.installed import version_problem, vllm_build
 from shardgen.io import atomic_write_text
 from shardgen.kernels import kernel_problem
-from shardgen.openai_batch import served_urls
 from shardgen.plan import Manifest, check_columns
 from shardgen.prompts import PromptRenderer
+from shardgen.results import choice_first_tokens
+from shardgen.sources import served_urls
 
 # Weight formats that need a CUDA GPU: vLLM's CPU build has no kernels for them.
 GPU_ONLY_QUANTIZATION = FP8_WEIGHT_FORMATS | FP4_WEIGHT_FORMATS | MXFP4_WEIGHT_FORMATS
@@ -87,8 +95,6 @@ def check_engine_values(model_cfg: Mapping[str, Any], hf_config: Mapping[str, An
     import typing
 
     from vllm.config.cache import CacheDType
-
-    from shardgen.gpus import installed_quantization_methods
 
     problems = []
     for key, allowed in (
@@ -214,8 +220,6 @@ def check_sampling(config: RunConfig, tokenizer: Any, build: str) -> tuple[list[
     """Problems and notes of the sampling settings that need the tokenizer or the build; the reasoning
     parser here, before any job, rather than in the config check (``config.check_reasoning``): its
     name needs the installed vLLM's registry, and the parser the model's tokenizer."""
-    from shardgen.results import choice_first_tokens
-
     problems, notes = [], []
     problems += reasoning.problems(config.sampling, tokenizer, config.prompt.chat_template_kwargs)
     choices = config.sampling.choices
@@ -286,8 +290,6 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
         PreflightError: listing every problem found.
         FetchError: the model is not on the local disk.
     """
-    from shardgen.fetch import resolve_model
-
     manifest = Manifest.load(manifest_path)
     source = manifest.source()
     problems: list[str] = []
@@ -478,8 +480,6 @@ def report_text(report: dict[str, Any]) -> str:
 
 
 def main_preflight(config: RunConfig, manifest: str, report_path: str, model_record: str | None = None) -> int:
-    from shardgen.fetch import load_record
-
     jobenv.enter("preflight")  # done by the command already; in process (tests) here
     report = run(config, manifest, load_record(model_record) if model_record else None)
     atomic_write_text(report_path, json.dumps(report, indent=1) + "\n")

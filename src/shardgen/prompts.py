@@ -23,6 +23,7 @@ import jinja2
 import jinja2.meta
 from jinja2.exceptions import SecurityError, TemplateSyntaxError, UndefinedError
 
+from shardgen import config as cfg
 from shardgen.errors import ConfigError, RowError
 from shardgen.sandbox import (
     MAX_ITEMS,
@@ -244,3 +245,19 @@ def _decode(column: str, value: bytes) -> str:
         raise RowError(
             "undecodable_text", f"column '{column}' is not valid UTF-8 (byte {e.start}: {e.reason})"
         ) from None
+
+
+def check_config(config: dict[str, Any]) -> None:
+    """The run's templates compile: a syntax error, or one that cannot compile, is a config error.
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    prompt = config["prompt"]
+    PromptRenderer(
+        prompt.get("template"), prompt.get("system"), prompt.get("chat", True), prompt.get("few_shot"),
+        prompt.get("messages_column"), prompt.get("pair_template"), prompt.get("images"),
+    )  # fmt: skip
+
+
+cfg.register_check(check_config)

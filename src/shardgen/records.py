@@ -18,9 +18,12 @@ disk) is skipped.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from shardgen.errors import ShardgenError
 
 # The version of these records' layout; written into each, for the readers of later versions.
 VERSION = 1
@@ -60,7 +63,7 @@ class AttemptStart:
 
 @dataclass(frozen=True)
 class AttemptEnd:
-    """How an attempt ended (``generate._attempt_end``); a memory failure says what ran out and where."""
+    """How an attempt ended (``attempt_end``); a memory failure says what ran out and where."""
 
     outcome: str
     ended: str | None = None
@@ -75,6 +78,23 @@ class AttemptEnd:
 
     def line(self) -> str:
         return _line("end", self)
+
+
+def now() -> str:
+    """The time as the records keep it: ISO 8601 in UTC, to the second."""
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def attempt_end(error: BaseException, rows_saved: int, rows_generated: int | None = None) -> AttemptEnd:
+    """How an attempt ended, for its entry in ``attempts.jsonl``: the outcome the error declares
+    (``ShardgenError.outcome``; any other error is ``failed``) and what the next attempt needs of it
+    (``ShardgenError.attempt_fields``: an interrupted attempt's signal, a memory failure's kind,
+    stage and settings). (No ClaimLost: a worker that lost its claim writes no end record,
+    ``ShardCheckpoint.log_attempt``.)"""
+    end = {"ended": now(), "rows_saved": rows_saved, "rows_generated": rows_generated}
+    if isinstance(error, ShardgenError):
+        return AttemptEnd(error.outcome, **error.attempt_fields(), **end)
+    return AttemptEnd("failed", error=f"{type(error).__name__}: {error}"[:1000], **end)
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,18 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from shardgen.errors import ConfigError, RowError, ShardgenError
+from shardgen.heads import embedding_dim
+from shardgen.outputs import CONFIG_KEY, FINGERPRINT_KEY, ROWS_PER_INPUT_KEY, SHARD_KEY
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
-    from shardgen.tasks import PoolingTask
 
 LOGPROB_TYPE = pa.list_(
     pa.list_(pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())]))
 )
+# The column of a step's row that the step before did not pass on: why (null for every row it passed
+# on; shardgen.steps). A bookkeeping column: feed, merge and the steps read it.
+DROPPED = "dropped"
 # Every column shardgen may add; an input column of one of these names would clash.
 RESERVED_COLUMNS = (
     "row_index",
@@ -50,6 +54,24 @@ RESERVED_COLUMNS = (
     "embedding",
     "score",
 )
+
+
+@dataclass
+class Completion:
+    """A finished request: the engine's output and what it cost, or the error it got instead."""
+
+    key: int
+    row: dict[str, Any]
+    output: Any
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float | None
+    latency_s: float | None
+    error: RowError | None = None
+    # From vLLM's per-request timestamps (RequestStateStats, monotonic in the engine core): time waiting
+    # for the scheduler, and time to first token once scheduled (vLLM's own "prefill time").
+    queue_s: float | None = None
+    ttft_scheduled_s: float | None = None
 
 
 @dataclass
@@ -120,8 +142,6 @@ class Columns:
     ) -> pa.Schema:
         """A shard file's schema (the merged output's, with no fingerprints): the input's columns, then
         the result columns, stamped with the shard and what made it."""
-        from shardgen.outputs import CONFIG_KEY, FINGERPRINT_KEY, ROWS_PER_INPUT_KEY, SHARD_KEY
-
         meta = {
             FINGERPRINT_KEY: fingerprint.encode(),
             CONFIG_KEY: config_fingerprint.encode(),
@@ -327,9 +347,7 @@ class PoolingSpec(Columns):
         pooling: the config's ``pooling`` section.
     """
 
-    def __init__(self, kind: type[PoolingTask], head: Any = None, pooling: Mapping[str, Any] | None = None) -> None:
-        from shardgen.heads import embedding_dim
-
+    def __init__(self, kind: Any, head: Any = None, pooling: Mapping[str, Any] | None = None) -> None:
         pooling = pooling or {}
         self.kind = kind
         self.labels: list[str] = list(head.labels) if head is not None else []

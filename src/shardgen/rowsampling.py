@@ -33,9 +33,10 @@ Anything else, or a value vLLM refuses (a negative ``max_tokens``, a
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from shardgen.engine import make_sampling_params
 from shardgen.errors import RowError
 
 # OpenAI's name -> the sampling key (vLLM's name) a row's value replaces
@@ -170,6 +171,12 @@ def row_logprobs(run: Mapping[str, Any], value: Any, column: str | None) -> int 
         return None
 
 
+def logprobs_of(sampling: Any, sampling_column: str | None) -> Callable[[dict[str, Any]], int | None]:
+    """How many top tokens each request asked for (``top_logprobs``), from its row: the run's
+    ``sampling.logprobs``, or the row's own (``input.sampling_column``)."""
+    return lambda row: row_logprobs(sampling, row.get(sampling_column) if sampling_column else None, sampling_column)
+
+
 def _structured(value: Any, column: str) -> dict[str, Any] | None:
     """vLLM's ``structured_outputs`` for OpenAI's ``response_format``."""
     kind = value.get("type") if isinstance(value, Mapping) else None
@@ -201,9 +208,7 @@ def sampling_params(
     Raises:
         RowError: naming the column and field.
     """
-    from vllm.exceptions import VLLMValidationError
-
-    from shardgen.engine import make_sampling_params
+    from vllm.exceptions import VLLMValidationError  # vLLM only where a job runs (the controller may have none)
 
     given = overrides(value, column)
     sampling = row_sampling(run, given, column, own_n=own_n)

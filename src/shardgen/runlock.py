@@ -43,6 +43,7 @@ from typing import Any
 
 from shardgen import jobinfo
 from shardgen.errors import ShardgenError
+from shardgen.io import Dir
 from shardgen.rundir import HELD_NAME, RunDir
 
 # errno values of a file system without record locks
@@ -181,8 +182,6 @@ class _HeldFile:
 
     @classmethod
     def acquire(cls, path: Path, owner: dict[str, Any], out_dir: str | Path) -> _HeldFile:
-        from shardgen.io import Dir
-
         with Dir.open(path.parent) as d:
             for _ in range(3):
                 if d.create_exclusive(path.name, (json.dumps(owner) + "\n").encode()):

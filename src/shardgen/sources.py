@@ -1,4 +1,5 @@
-"""Input datasets: Parquet files or a Hugging Face dataset, read in place.
+"""Input datasets: Parquet files or a Hugging Face dataset, read in place, and the kinds of input
+features add (``register_source``: OpenAI batch files, the step before).
 
 A source is described by metadata alone (file sizes, Parquet footers, the
 dataset's length), which is what planning needs. A generate job reads only
@@ -9,13 +10,12 @@ from __future__ import annotations
 
 import bisect
 import glob
-import hashlib
 import itertools
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from shardgen.errors import InputError
 
 if TYPE_CHECKING:
-    from shardgen.config import InputConfig
+    from shardgen.config import InputConfig, RunConfig
 
 BATCH_ROWS = 1024
 
@@ -358,149 +358,63 @@ class HFSource:
             yield batch.num_rows, batch.nbytes
 
 
-@dataclass(frozen=True)
-class BatchFileInfo:
-    """What planning records of one OpenAI Batch file: its rows (a row per line; in a score run a row
-    per pair of texts, ``openai_batch.request_rows``), and the byte offset of the line that holds every
-    ``BATCH_BLOCK``-th row (where a job starts reading a shard's lines), with the first row of that
-    line (``firsts``: recorded in a score run only, where a line may hold several rows)."""
+class Source(Protocol):
+    """What planning, the jobs and the merge ask of an input: ``ParquetSource``, ``HFSource``, or a
+    kind a feature adds (``KINDS``)."""
 
-    path: str
-    size: int
-    mtime_ns: int
-    rows: int
-    offsets: list[int] = field(default_factory=list)
-    firsts: list[int] | None = None
+    kind: str
+    schema: pa.Schema
 
-    def first_row(self, block: int) -> int:
-        """The first row of the line at ``offsets[block]``."""
-        return self.firsts[block] if self.firsts is not None else block * BATCH_BLOCK
+    @property
+    def num_rows(self) -> int: ...
 
+    def describe(self) -> str: ...
 
-BATCH_BLOCK = 1024  # rows between two recorded offsets
-# The columns of an OpenAI Batch input's rows (shardgen.openai_batch.request_row makes them).
-BATCH_SCHEMA = pa.schema([
-    ("custom_id", pa.large_string()),
-    ("url", pa.large_string()),
-    ("messages", pa.large_list(pa.struct([("role", pa.large_string()), ("content", pa.large_string())]))),
-    ("input", pa.large_string()),
-    ("body", pa.large_string()),
-    ("request_error", pa.large_string()),
-])  # fmt: skip
-# A score run's rows (a row per pair of texts): the second text, and its place among its request's pairs.
-PAIR_SCHEMA = BATCH_SCHEMA.append(pa.field("pair", pa.large_string())).append(pa.field("pair_index", pa.int32()))
+    def to_manifest(self) -> dict[str, Any]: ...
 
+    def segments(self, start: int, stop: int) -> list[Segment]: ...
 
-class OpenAIBatchSource:
-    """OpenAI Batch API request files (JSON Lines), a request per line, in the order given, as rows
-    (``BATCH_SCHEMA``): planning reads every line once (each must be JSON with a unique
-    ``custom_id``) and records where each block of rows starts; a job seeks to its lines.
-
-    In a score run (``pairs``) a score or rerank request is a row per pair of texts (``PAIR_SCHEMA``),
-    each scored by its own engine request as a Parquet input's rows are; the merge gives the request's
-    pairs back as one result line (``openai_batch.requests``).
-    """
-
-    kind = "openai_batch"
-
-    def __init__(self, files: list[BatchFileInfo], models: list[str] | None = None, pairs: bool = False) -> None:
-        self.files = files
-        self.models = models or []  # the body.model values of the requests, when planned
-        self.pairs = pairs
-        self.schema = PAIR_SCHEMA if pairs else BATCH_SCHEMA
-        self._offsets = list(itertools.accumulate((f.rows for f in files), initial=0))
-
-    @classmethod
-    def scan(cls, patterns: list[str], pairs: bool = False) -> OpenAIBatchSource:
-        """Read the files once: row offsets, a JSON object per line, unique custom ids, one model.
-
-        Raises:
-            InputError: naming the file and line.
-        """
-        from shardgen.openai_batch import scan_line
-
-        infos, seen, models = [], set(), set()
-        for path in expand_patterns(patterns, "input.openai_batch"):
-            offsets, firsts, rows, pos = [], [], 0, 0
-            st = os.stat(path)
-            with open(path, "rb") as f:
-                for lineno, line in enumerate(f, 1):
-                    if line.strip():
-                        custom_id, model, count = scan_line(line, path, lineno, pairs)
-                        while len(offsets) * BATCH_BLOCK < rows + count:  # the blocks that start in this line
-                            offsets.append(pos)
-                            firsts.append(rows)
-                        key = hashlib.blake2b(custom_id.encode(), digest_size=8).digest()
-                        if key in seen:
-                            raise InputError(f"input: '{path}', line {lineno}: the custom_id {custom_id!r} again")
-                        seen.add(key)
-                        models.add(model)
-                        rows += count
-                    pos += len(line)  # an empty line is no request
-            infos.append(BatchFileInfo(path, st.st_size, st.st_mtime_ns, rows, offsets, firsts if pairs else None))
-        models.discard(None)
-        if len(models) > 1:
-            raise InputError(
-                f"input.openai_batch: the requests name {len(models)} models ({', '.join(sorted(models)[:5])}); "
-                "a run serves one (model.model): split the file by model"
-            )
-        return cls(infos, sorted(models), pairs)
-
-    def to_manifest(self) -> dict[str, Any]:
-        files = [{k: v for k, v in asdict(f).items() if k != "firsts" or v is not None} for f in self.files]
-        # `pairs` only when set: the manifests of other runs stay as they were
-        return {"kind": self.kind, "files": files, "models": self.models} | ({"pairs": True} if self.pairs else {})
-
-    @classmethod
-    def from_manifest(cls, entry: dict[str, Any]) -> OpenAIBatchSource:
-        return cls([BatchFileInfo(**f) for f in entry["files"]], entry.get("models"), entry.get("pairs", False))
-
-    # files by path, size and modification time, rows by a running offset: as Parquet's
-    num_rows = ParquetSource.num_rows
-    describe = ParquetSource.describe
-    segments = ParquetSource.segments
-    check_unchanged = ParquetSource.check_unchanged
+    def check_unchanged(self, indexes: set[int] | None = None) -> None: ...
 
     def read(
         self, segments: list[Segment], batch_rows: int = BATCH_ROWS, columns: list[str] | None = None
-    ) -> Iterator[pa.RecordBatch]:
-        """Stream the requests of the segments as rows, from the recorded offset before each."""
-        from shardgen.openai_batch import request_rows
+    ) -> Iterator[pa.RecordBatch]: ...
 
-        self.check_unchanged({s.file for s in segments})
-        schema = self.schema if columns is None else pa.schema([self.schema.field(c) for c in columns])
-        for seg in segments:
-            info = self.files[seg.file]
-            block = seg.start // BATCH_BLOCK
-            row = info.first_row(block)
-            out: list[dict[str, Any]] = []
-            with open(info.path, "rb") as f:
-                f.seek(info.offsets[block])
-                for line in f:
-                    if not line.strip():
-                        continue
-                    if row >= seg.stop:
-                        break
-                    for request in request_rows(line, self.pairs):
-                        if seg.start <= row < seg.stop:
-                            out.append(request)
-                            if len(out) == batch_rows:
-                                yield pa.RecordBatch.from_pylist(out, schema=schema)
-                                out = []
-                        row += 1
-            if out:
-                yield pa.RecordBatch.from_pylist(out, schema=schema)
-
-    def byte_blocks(self, columns: list[str]) -> Iterator[tuple[int, int]]:
-        """``(rows, bytes)`` of each block of rows, from the recorded offsets (the whole request's; a
-        line of several blocks' rows counts in the first)."""
-        for info in self.files:
-            ends = [*info.offsets[1:], info.size]
-            for i, (start, end) in enumerate(zip(info.offsets, ends, strict=True)):
-                yield min(BATCH_BLOCK, info.rows - i * BATCH_BLOCK), end - start
+    def byte_blocks(self, columns: list[str]) -> Iterator[tuple[int, int]]: ...
 
 
-Source = ParquetSource | HFSource | OpenAIBatchSource  # or steps.StepSource: a step's input
+@dataclass(frozen=True)
+class SourceKind:
+    """A source kind a feature adds (``openai_batch``: request files; ``steps``: the step before), known by
+    the name its manifest entry records: how a plan's entry is read back, and, for one that an input key
+    selects (``key``), how planning opens it, which local files it reads (``input_signature``) and the
+    request urls its rows may name (``served_urls``)."""
+
+    from_manifest: Callable[[dict[str, Any]], Source]
+    key: str | None = None
+    open: Callable[[InputConfig, bool], Source] | None = None
+    files: Callable[[InputConfig], list[str]] | None = None
+    urls: Callable[[RunConfig], tuple[str, ...]] | None = None
+
+
+# The source kinds features add, by the name their manifest entries record (register_source).
+KINDS: dict[str, SourceKind] = {}
+
+
+def register_source(name: str, kind: SourceKind) -> None:
+    KINDS[name] = kind
+
+
+def _selected(input_cfg: InputConfig) -> SourceKind | None:
+    """The feature's source kind that ``input`` selects, if any."""
+    return next((k for k in KINDS.values() if k.key and getattr(input_cfg, k.key, None)), None)
+
+
+def served_urls(config: RunConfig) -> tuple[str, ...]:
+    """The request urls a run's rows may name (``feed.RowInputs``): those its input's kind serves
+    (``input.openai_batch``); none for an input whose rows are no requests."""
+    kind = _selected(config.input)
+    return kind.urls(config) if kind is not None and kind.urls is not None else ()
 
 
 def open_source(input_cfg: InputConfig, pairs: bool = False) -> Source:
@@ -508,8 +422,8 @@ def open_source(input_cfg: InputConfig, pairs: bool = False) -> Source:
     task scores pairs of texts (``tasks.Task.pairs``), which a batch file's requests hold several of."""
     if input_cfg.parquet:
         return ParquetSource.scan(list(input_cfg.parquet))
-    if input_cfg.openai_batch:
-        return OpenAIBatchSource.scan(list(input_cfg.openai_batch), pairs)
+    if (kind := _selected(input_cfg)) is not None and kind.open is not None:
+        return kind.open(input_cfg, pairs)
     if input_cfg.hf:
         return HFSource.open("hf", dict(input_cfg.hf))
     if input_cfg.disk:
@@ -525,12 +439,10 @@ def input_signature(input_cfg: InputConfig) -> list[list[Any]]:
     every Snakefile parse): a file edited in place changes it, so the run plans again instead of
     refusing the changed input in every job. Paths that do not exist are left to planning to name."""
     paths: list[str] = []
-    if input_cfg.parquet or input_cfg.openai_batch:
+    kind = _selected(input_cfg)
+    if input_cfg.parquet or (kind is not None and kind.files is not None):
         try:
-            if input_cfg.parquet:
-                paths = expand_parquet_patterns(list(input_cfg.parquet))
-            else:
-                paths = expand_patterns(list(input_cfg.openai_batch), "input.openai_batch")
+            paths = expand_parquet_patterns(list(input_cfg.parquet)) if input_cfg.parquet else kind.files(input_cfg)
         except InputError:
             return []
     elif input_cfg.disk and os.path.isdir(input_cfg.disk):
@@ -567,12 +479,8 @@ def hf_local_files(args: Mapping[str, Any]) -> list[str]:
 def source_from_manifest(entry: dict[str, Any]) -> Source:
     if entry["kind"] == "parquet":
         return ParquetSource.from_manifest(entry)
-    if entry["kind"] == OpenAIBatchSource.kind:
-        return OpenAIBatchSource.from_manifest(entry)
-    if entry["kind"] == "step":
-        from shardgen.steps import StepSource
-
-        return StepSource.from_manifest(entry)
+    if entry["kind"] in KINDS:
+        return KINDS[entry["kind"]].from_manifest(entry)
     return HFSource.from_manifest(entry)
 
 

@@ -40,8 +40,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from shardgen import plan
 from shardgen.io import LazyDir
 from shardgen.plan import Manifest, Shard
+from shardgen.records import read_progress
 from shardgen.rundir import RunDir
 from shardgen.sources import Segment
 
@@ -60,12 +62,6 @@ ANSWER_WAIT_S = 30.0
 RATE_WAIT_S = 60.0
 # A split leaves the holder at least this many unread rows' worth of work to give: one row is no piece.
 MIN_ROWS = 2
-
-
-def holds(stats: dict[str, Any], piece: Shard) -> bool:
-    """Whether a committed file's stats hold the piece's rows as they are now (not a file committed
-    before a later cut narrowed it); stats without a range are a plan shard's, its whole rows."""
-    return (stats.get("row_start", piece.start), stats.get("row_stop", piece.stop)) == (piece.start, piece.stop)
 
 
 def of_run(config: RunConfig) -> Splits | None:
@@ -224,6 +220,11 @@ class Splitter:
         self._next_look = now + POLL_S
         return self.splits.pending(self.piece.id)
 
+    @staticmethod
+    def cut(floor: int, stop: int, held: int) -> int | None:
+        """Where to cut the piece for an idle worker (``cut_point``)."""
+        return cut_point(floor, stop, held)
+
     def decide(self, cut: int | None) -> bool:
         """Answer the request: cut at ``cut`` (None: decline). The cut is recorded before the caller stops
         reading there; True when it was. The request is removed either way."""
@@ -272,8 +273,6 @@ class Thief:
     def running(self, live: Iterable[str]) -> list[Running]:
         """The live pieces no other worker asked for; rows and time left unknown (-1, None) for one that
         has not reported progress yet."""
-        from shardgen.records import read_progress
-
         out = []
         for piece in live:
             if self.splits.pending(piece):  # another worker asked
@@ -317,3 +316,11 @@ class Thief:
         if self.splits.cuts().get(shard, []) == before:
             self.declined[chosen.piece] = time.monotonic()
         return True
+
+
+def _pieces(manifest: Manifest, run_dir: RunDir, workers: bool) -> list[Shard] | None:
+    """A run's pieces now (``plan.run_shards``): of elastic workers' runs only."""
+    return Splits(run_dir.splits, below=run_dir.root).all_pieces(manifest) if workers else None
+
+
+plan.PIECES.append(_pieces)

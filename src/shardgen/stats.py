@@ -2,13 +2,16 @@
 
 Latencies are kept as log-bucketed histograms rather than raw samples, so a
 merge of 10,000 shards adds fixed-size arrays and its percentiles are exact to
-the bucket width (about 2.5%).
+the bucket width (about 2.5%). A committed shard's stats file (``shard_record``) holds its figures
+with what decided its content and how and where the attempt that finished it ran.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import statistics
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,8 +19,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from shardgen import cost
-from shardgen.tasks import KINDS
+from shardgen import cost, jobinfo, memory, records
+from shardgen.config import TASKS
+from shardgen.errors import error_reason
+from shardgen.installed import vllm_version
 
 BUCKET_RATIO = 1.05  # bucket width: values within a bucket differ by at most 5%
 BUCKET_MIN = 1e-4  # seconds; smaller values share the first bucket
@@ -152,8 +157,6 @@ def _column_sum(table: pa.Table, name: str) -> int:
 
 def error_reasons(table: pa.Table) -> dict[str, int]:
     """Input rows with an error, by reason: a row counts once, by its first failed sample's error."""
-    from shardgen.errors import error_reason
-
     bad = table.filter(table.column("error").is_valid()).select(["row_index", "error"])
     first: dict[int, str] = {}
     for i, e in zip(bad.column("row_index").to_pylist(), bad.column("error").to_pylist(), strict=True):
@@ -214,7 +217,7 @@ def shard_stats(
         "row_stop": shard.stop,
         **figures,
         "error_reasons": reasons,
-        **summarize(figures, hists, KINDS[task].generates),
+        **summarize(figures, hists, TASKS[task].generates),
         "histograms": {k: h.to_json() for k, h in hists.items()},
         **engine_stats(engine_delta or {}),
     }
@@ -233,6 +236,75 @@ def engine_stats(delta: dict[str, float]) -> dict[str, Any]:
             "drafts": int(delta.get("spec_decode_drafts", 0)),
         }
     return out
+
+
+# What the stats (and the output's provenance) keep of the model record.
+MODEL_SOURCE_KEYS = ("source", "path", "repo_id", "revision", "commit", "digest")
+
+
+def shard_record(
+    job: Any, run: Any, table: pa.Table, history: list[records.Attempt], nodes: list[str], node: str
+) -> dict[str, Any]:
+    """A committed shard's stats file: its figures (``shard_stats``), what decided its content, and how
+    and where the attempt that finished it ran.
+
+    Args:
+        job: the shard's job (``generate.ShardJob``): the shard, its config, fingerprint, checkpoint,
+            model record, the earlier attempts and this one's start.
+        run: what the attempt's engine and feed produced (``generate.AttemptRun``), with the engine's
+            settings (``engine.EngineSettings``).
+        table: the shard's committed output.
+        history: the shard's attempts, this one last and committed.
+        nodes: the job's nodes (``multinode.job_nodes``; empty outside Slurm).
+        node: this node's name (``multinode.node_name``).
+    """
+    settings = run.settings
+    stats = shard_stats(
+        job.shard,
+        table,
+        len(job.done),
+        run.counters,
+        run.engine_seconds,
+        run.generation_seconds,
+        time.time() - job.started,
+        job.config.model.gpus,
+        run.engine_delta,
+        job.config.task,
+    )
+    slurm = job.attempt.slurm
+    stats.update(
+        fingerprint=job.fingerprint,
+        config_fingerprint=job.config.fingerprint,
+        feed=run.feed,
+        checkpoints_discarded=job.ckpt.discarded,
+        engine={
+            "vllm_version": vllm_version(),
+            "args": settings.kwargs,
+            "environment": settings.environment,
+            "batch_invariant": bool(settings.model.get("batch_invariant")),
+        },
+        attempts=[a.as_dict() for a in history],
+        memory_failures=memory.failures_of(job.attempts),
+        memory_overrides=settings.memory_overrides,
+        gpu_devices=settings.gpus,
+        gpu_model=", ".join(sorted({g.get("name") or "?" for g in settings.gpus})) or None,
+        precision=settings.precision,
+        model_source={k: job.model_record.get(k) for k in MODEL_SOURCE_KEYS},
+        lora_adapters={
+            name: {k: a.get(k) for k in ("source", "path", "repo_id", "commit")}
+            for name, a in (job.model_record.get("adapters") or {}).items()
+        },
+        peak_rss_mib=jobinfo.peak_rss_mib(),
+        host=job.attempt.host,
+        nodes=job.config.resources.nodes,  # the engine's; gpus and gpu_hours count all of theirs
+        node_names=nodes or [job.attempt.host],
+        node_gpus={node: settings.gpus, **run.worker_gpus} if run.worker_gpus else None,
+        slurm=slurm,
+        queue_wait_seconds=slurm.get("queue_wait_seconds"),
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        thread_env_removed=job.removed_env,
+    )
+    return stats
 
 
 # What stats.json keeps of each shard: the figures a person compares across
@@ -320,7 +392,7 @@ class RunTotals:
         totals = dict(self.totals)
         totals["task"] = self.task
         totals["error_reasons"] = self.error_reasons
-        generates = KINDS[self.task].generates
+        generates = TASKS[self.task].generates
         totals.update(summarize(totals, self.hists, generates))
         totals["output_tokens_per_gpu_hour"] = (
             _rate(totals["attempt_generated_tokens"], totals["gpu_hours"]) if generates else None
@@ -371,7 +443,7 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
 def summary_text(stats: dict[str, Any]) -> str:
     """A short summary for people, printed at the end of a run."""
     hit = stats["prefix_cache_hit_rate"]
-    if not KINDS[stats.get("task", "generate")].generates:
+    if not TASKS[stats.get("task", "generate")].generates:
         return _pooling_summary_text(stats, hit)
     lines = [
         f"rows            {stats['rows']}  ({stats['errors']} errors"

@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardgen import cluster, records, runstop, splits
+from shardgen import cluster, records, runstop
 from shardgen.claims import CLAIM_NAME, FAILED
-from shardgen.plan import Manifest
+from shardgen.plan import Manifest, holds, run_shards
 from shardgen.rundir import RunDir
 from shardgen.runlock import read_owner
-from shardgen.splits import Splits
 
 # A running shard whose progress.json is older than this is shown as silent.
 SILENT_AFTER_S = 120.0
@@ -162,13 +161,13 @@ def read_status(
             if m and name.endswith(FAILED):
                 failed_claims.add(m.group(1))
     shards = []
-    for piece in Splits(run_dir.splits).all_pieces(Manifest(manifest)):  # a split shard: each of its pieces
+    for piece in run_shards(Manifest(manifest), run_dir):  # a split shard: each of its pieces
         s = ShardState(piece.id, piece.rows)
         shards.append(s)
         if s.id in committed:
             stats = _json(run_dir.shard_stats(s.id))
             # a file of other rows than the piece's now is not its rows done, nor counted twice
-            if stats is not None and splits.holds(stats, piece):
+            if stats is not None and holds(stats, piece):
                 _from_stats(s, stats)
                 continue
         if s.id in ckpt_dirs:

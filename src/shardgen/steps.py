@@ -22,27 +22,38 @@ input row, the product of the earlier steps' samples).
 
 from __future__ import annotations
 
+import base64
 import copy
+import datetime
+import json
+import statistics
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import jinja2
+import jinja2.meta
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from jinja2.exceptions import TemplateSyntaxError
 
+from shardgen import config as cfg
+from shardgen import formats, plan, sources
+from shardgen.config import RunConfig, content_fingerprint, digest, validate
 from shardgen.errors import ConfigError, InputError
+from shardgen.fetch import load_record
+from shardgen.heads import Head
+from shardgen.io import atomic_write_text
+from shardgen.plan import MANIFEST_VERSION, Manifest, check_columns
+from shardgen.results import DROPPED, result_spec
 from shardgen.rundir import RunDir, committed_fingerprint
-
-if TYPE_CHECKING:
-    from shardgen.config import RunConfig
-    from shardgen.sources import Segment
+from shardgen.sandbox import BoundedSandbox, RenderBudget, TemplateTimeout
+from shardgen.sources import Segment, Source
 
 # What a step may set; each replaces the top-level section of its name.
 STEP_SECTIONS = ("task", "model", "prompt", "sampling", "pooling", "lora", "resources")
-# The column of a row that the step before did not pass on: why (null for every row it passed on).
-DROPPED = "dropped"
 # An earlier step's columns that are its own bookkeeping, not passed on (its own output keeps them).
 BOOKKEEPING = ("row_index", "finish_reason", "prompt_tokens", "generated_tokens", "reasoning_tokens", "error", DROPPED)
 OUTPUT_KEY = "output.dir"
@@ -75,9 +86,6 @@ def step_configs(config: Mapping[str, Any]) -> list[dict[str, Any]]:
     Raises:
         ConfigError: naming the step and the key.
     """
-    from shardgen.config import RunConfig, content_fingerprint, digest, validate
-    from shardgen.results import result_spec
-
     root = config["output"]["dir"]
     base = {k: copy.deepcopy(v) for k, v in config.items() if k not in ("steps", "step")}
     shards = config.get("shards") or {}
@@ -144,11 +152,6 @@ def keep_if(expression: str, key: str = "select.keep_if") -> Any:
     Raises:
         ConfigError: it does not compile, naming ``key``.
     """
-    import jinja2
-    from jinja2.exceptions import TemplateSyntaxError
-
-    from shardgen.sandbox import BoundedSandbox
-
     try:
         return BoundedSandbox(undefined=jinja2.StrictUndefined).compile_expression(expression)
     except TemplateSyntaxError as e:
@@ -180,10 +183,6 @@ def dropped_reasons(table: pa.Table, step: str, select: Mapping[str, Any] | None
         return reasons
     ((kind, spec),) = select.items()
     if kind == "keep_if":
-        import jinja2
-
-        from shardgen.sandbox import RenderBudget, TemplateTimeout
-
         test = keep_if(spec)
         rows = table.to_pylist()
         with RenderBudget() as budget:
@@ -217,10 +216,6 @@ def check_select(config: RunConfig, schema: pa.Schema) -> None:
     Raises:
         InputError: naming the step, the key and the columns.
     """
-    import jinja2.meta
-
-    from shardgen.sandbox import BoundedSandbox
-
     select = (config.step or {}).get("select")
     if not select:
         return
@@ -345,22 +340,16 @@ class StepSource:
         return f"the rows of step '{self.step['name']}' ({self._run_dir.root})"
 
     def to_manifest(self) -> dict[str, Any]:
-        import base64
-
         schema = base64.b64encode(self.schema.serialize()).decode()
         return {"kind": self.kind, "step": self.step, "shards": [list(s) for s in self.shards], "names": self.names,
                 "fingerprint": self.fingerprint, "schema": schema}  # fmt: skip
 
     @classmethod
     def from_manifest(cls, entry: dict[str, Any]) -> StepSource:
-        import base64
-
         schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(entry["schema"])))
         return cls(entry["step"], [tuple(s) for s in entry["shards"]], schema, entry["names"])
 
     def segments(self, start: int, stop: int) -> list[Segment]:
-        from shardgen.sources import Segment
-
         segs, offset = [], 0
         for i, (_, rows) in enumerate(self.shards):
             lo, hi = max(start, offset), min(stop, offset + rows)
@@ -423,18 +412,11 @@ def step_manifest(config: RunConfig) -> dict[str, Any]:
     Raises:
         InputError: the step before has not planned, or a column this step reads will be missing.
     """
-    from shardgen.config import RunConfig as Run
-    from shardgen.plan import MANIFEST_VERSION, Manifest, check_columns
-    from shardgen.results import result_spec
-
     step = dict(config.input.step or {})
-    before = Run.load(config.raw["step"]["previous_config"])
+    before = RunConfig.load(config.raw["step"]["previous_config"])
     plan = Manifest.load(RunDir(step["dir"]).manifest)
     head = None
     if before.kind.needs_head:
-        from shardgen.fetch import load_record
-        from shardgen.heads import Head
-
         head = Head.read(Path(load_record(RunDir(step["dir"]).model_record)["path"]))
     spec = result_spec(before, head)
     m = spec.rows_per_input
@@ -459,12 +441,6 @@ def finish(config: Mapping[str, Any], output: str | Path, stats_path: str | Path
     Raises:
         InputError: a step has not merged, or ``select`` names a column that is not there.
     """
-    import json
-
-    from shardgen import formats
-    from shardgen.io import atomic_write_text
-    from shardgen.plan import Manifest
-
     steps = step_configs(config)
     done = []
     for c in steps:
@@ -505,8 +481,6 @@ def finish(config: Mapping[str, Any], output: str | Path, stats_path: str | Path
 
 def content_digest(steps: list[dict[str, Any]]) -> str:
     """The fingerprint of a run of steps: its steps' (each holds the one before it's) and the last select."""
-    from shardgen.config import content_fingerprint, digest
-
     return digest([content_fingerprint(steps[-1]), steps[-1]["step"]["select"]])
 
 
@@ -515,9 +489,6 @@ SUMMED = ("gpu_hours", "billed_gpu_hours", "prompt_tokens", "generated_tokens", 
 
 def shard_times(step: Mapping[str, Any], shards: list[str]) -> dict[str, tuple[float, float]]:
     """When each committed shard of a step started (its first attempt) and was done (its last)."""
-    import datetime
-    import json
-
     run_dir, out = RunDir(step["output"]["dir"]), {}
     for shard in shards:
         attempts = json.loads(run_dir.shard_stats(shard).read_text()).get("attempts") or []
@@ -532,8 +503,6 @@ def timing(steps: list[dict[str, Any]], shards: list[str]) -> list[dict[str, flo
     """Per step: its span (first shard started to last done), how long it ran while the step before
     still ran (shard by shard pipelining), and the median time its shards waited, once the same
     shard of the step before was done, to start (the scheduler's part)."""
-    import statistics
-
     times = [shard_times(c, shards) for c in steps]
     out: list[dict[str, float | None]] = []
     for i, t in enumerate(times):
@@ -603,3 +572,29 @@ def summary_text(stats: Mapping[str, Any]) -> str:
     if stats.get("cost") is not None:
         lines.append(f"cost             {stats['cost']:,.2f} {stats['currency']}")
     return "\n".join(lines)
+
+
+def _warnings(config: dict[str, Any]) -> list[str]:
+    """The warnings of each step's config, naming the step."""
+    return [f"step {c['step']['name']}: {w}" for c in step_configs(config) for w in cfg.warnings(c)]
+
+
+def _check_input(config: RunConfig, source: Source) -> None:
+    """The first step's input has none of the steps' bookkeeping columns (``check_bookkeeping``)."""
+    if config.step:
+        check_bookkeeping(source.schema.names, source.describe())
+
+
+def _check_plan(config: RunConfig, manifest: Manifest) -> None:
+    """What a step's ``select`` reads is in its rows (``check_select``)."""
+    if config.step:
+        check_select(config, pa.schema([*manifest.source().schema, *result_spec(config).fields()]))
+
+
+# A config with `steps` is a run of steps: each step's config is checked as a run's (step_configs);
+# a later step's input is the step before (input.step): planned from its plan, read from its shards.
+cfg.register_run_mode("steps", step_configs, _warnings)
+plan.PLANNERS["step"] = step_manifest
+plan.INPUT_CHECKS.append(_check_input)
+plan.PLAN_CHECKS.append(_check_plan)
+sources.register_source(StepSource.kind, sources.SourceKind(StepSource.from_manifest))

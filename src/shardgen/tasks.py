@@ -32,14 +32,22 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import pyarrow as pa
 
+from shardgen import config as cfg
 from shardgen import engine as eng
 from shardgen import heads, reasoning, rowsampling
 from shardgen.errors import ConfigError
-from shardgen.results import LABEL_PROB_TYPE, Columns, PoolingSpec, ResultSpec, Sample, choice_first_tokens
+from shardgen.results import (
+    LABEL_PROB_TYPE,
+    Columns,
+    Completion,
+    PoolingSpec,
+    ResultSpec,
+    Sample,
+    choice_first_tokens,
+)
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
-    from shardgen.feed import Completion
 
 
 @dataclass
@@ -435,10 +443,11 @@ class ScoreTask(PoolingTask):
         return {"score": _flat(data)[0]}
 
 
-# Every task, by its name (the schema's `task` enum, in its order).
+# Every task, by its name (the schema's `task` enum, in its order); config asks for them there.
 KINDS: dict[str, type[Task]] = {
     kind.name: kind for kind in (GenerateTask, ClassifyTask, RewardTask, EmbedTask, ScoreTask)
 }
+cfg.register_tasks(KINDS)
 
 
 def make_task(config: RunConfig, tokenizer: eng.Tokenizer, head: Any) -> Task:

@@ -52,7 +52,7 @@ def rows_per_s(engine, tmp_path_factory) -> float:
     session engine: what a test that races a Slurm time limit sizes its shard from. (Seen: 2-3.5 rows/s
     in a job on a 2-core machine with AVX-512, 1.26 on an AVX2-only one.)"""
     from shardgen.config import RunConfig, validate
-    from shardgen.generate import run_shard
+    from shardgen.generate import JobContext, run_shard
     from shardgen.plan import write_manifest
 
     def run(rows: int) -> dict:
@@ -61,7 +61,7 @@ def rows_per_s(engine, tmp_path_factory) -> float:
         config["output"] = {"dir": str(tmp / "results")}
         run = RunConfig.from_dict(validate(config))
         write_manifest(run, tmp / "manifest.json")
-        run_shard(run, tmp / "manifest.json", "00000", tmp / "s.parquet", tmp / "s.json", engine, window=4)
+        run_shard(run, tmp / "manifest.json", "00000", tmp / "s.parquet", tmp / "s.json", JobContext(engine, window=4))
         return json.loads((tmp / "s.json").read_text())
 
     run(4)  # warm: the engine's first requests are slower

@@ -8,7 +8,7 @@ import random
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen.generate import run_shard
+from shardgen.generate import JobContext, run_shard
 from shardgen.plan import write_manifest
 from tests.conftest import base_config, make_rows, write_parquet
 
@@ -39,8 +39,8 @@ def test_the_engine_queue_never_drains_while_rows_remain(tmp_path, engine, monke
     with monkeypatch.context() as m:
         m.setattr(core, "step", step)
         m.setattr(core, "add_request", add_request)
-        stats = run_shard(config, tmp_path / "m.json", "00000", tmp_path / "o.parquet", tmp_path / "o.json", engine,
-                          window=window)  # fmt: skip
+        stats = run_shard(config, tmp_path / "m.json", "00000", tmp_path / "o.parquet", tmp_path / "o.json",
+                          JobContext(engine, window=window))  # fmt: skip
     last_add = max(i for i, (kind, _) in enumerate(events) if kind == "add")
     before_last_add = [n for kind, n in events[:last_add] if kind == "step"]
     assert sum(1 for kind, _ in events if kind == "add") == rows
@@ -72,7 +72,7 @@ def run_order(tmp_path, engine, rows: list[dict], order: str) -> tuple[list, dic
     )
     write_manifest(config, work / "m.json")
     engine.llm.reset_prefix_cache()  # each order starts from a cold cache
-    stats = run_shard(config, work / "m.json", "00000", work / "o.parquet", work / "o.json", engine)
+    stats = run_shard(config, work / "m.json", "00000", work / "o.parquet", work / "o.json", JobContext(engine))
     return pq.read_table(work / "o.parquet").to_pylist(), stats
 
 

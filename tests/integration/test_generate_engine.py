@@ -16,10 +16,11 @@ from shardgen import engine as eng
 from shardgen.engine import Engine
 from shardgen.errors import InputError
 from shardgen.feed import TooManyErrors
-from shardgen.generate import Interrupted, run_shard
+from shardgen.generate import JobContext, run_shard
 from shardgen.outputs import ShardCheckpoint
 from shardgen.plan import write_manifest
 from shardgen.rundir import RunDir
+from shardgen.stopflag import Interrupted
 from tests.conftest import base_config, changed, make_rows, write_parquet
 from tests.integration.workflow import part_rows
 
@@ -36,7 +37,7 @@ def plan(tmp_path, rows, **overrides):
 
 def run(tmp_path, config, manifest, shard, engine, window=None):
     out, stats = tmp_path / f"{shard}.parquet", tmp_path / f"{shard}.stats.json"
-    run_shard(config, manifest, shard, out, stats, engine, window=window)
+    run_shard(config, manifest, shard, out, stats, JobContext(engine, window=window))
     return pq.read_table(out), json.loads(stats.read_text())
 
 
@@ -109,7 +110,7 @@ def test_a_gigabyte_cell_is_a_prompt_too_long_row_error_without_being_tokenized(
 
     monkeypatch.setattr(eng.Tokenizer, "encode_batch", encode_batch)
     out, stats_path = tmp_path / "s.parquet", tmp_path / "s.json"
-    stats = run_shard(config, manifest, "00000", out, stats_path, engine)
+    stats = run_shard(config, manifest, "00000", out, stats_path, JobContext(engine))
     errors = pq.read_table(out, columns=["error"]).column("error").to_pylist()
     assert errors[2].startswith("prompt_too_long: the prompt has more than") and errors.count(None) == 3
     assert len(longest) == 3 and max(longest) < 1000, "only the three ordinary rows were tokenized"
@@ -143,7 +144,9 @@ def partial_run(tmp_path, engine, monkeypatch, **overrides) -> tuple[dict, objec
         # steps and the stop lands mid-shard (with all 16 in one batch they
         # may all finish in the same step).
         with pytest.raises(Interrupted, match="stopped by SIGTERM"):
-            run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", engine, window=2)
+            run_shard(
+                config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", JobContext(engine, window=2)
+            )
     assert not (tmp_path / "s.parquet").exists()
     return config, manifest, sum(flushed)
 
@@ -181,7 +184,9 @@ def test_a_signal_saves_exactly_the_rows_finished_before_it_and_the_next_attempt
         m.setattr(core, "step", step)
         m.setattr(ShardCheckpoint, "flush", flush)
         with pytest.raises(Interrupted, match=f"stopped by {signal.Signals(signum).name}"):
-            run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", engine, window=2)
+            run_shard(
+                config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", JobContext(engine, window=2)
+            )
     saved = finished["before_signal"]
     assert 5 <= saved < rows and parts_before_signal == [], "no periodic save happened before the signal"
     assert part_rows(tmp_path / "out" / "checkpoints" / "00000") == saved
@@ -256,19 +261,21 @@ def test_a_shard_over_the_error_rate_fails_keeping_its_rows_and_its_retry_fails_
     )
     out, stats = tmp_path / "s.parquet", tmp_path / "s.json"
     with pytest.raises(TooManyErrors, match=r"shard 00000: 5 of its 16 rows are errors.*\(4\).*null_value 5"):
-        run_shard(config, manifest, "00000", out, stats, engine)
+        run_shard(config, manifest, "00000", out, stats, JobContext(engine))
     assert not out.exists() and not stats.exists()
     assert part_rows(tmp_path / "out" / "checkpoints" / "00000") >= 5, "finished rows are kept"
     # The retry counts the saved errors and stops before it would use an engine.
     with pytest.raises(TooManyErrors, match="first: row 4: null_value"):
-        run_shard(config, manifest, "00000", out, stats, engine=Engine(object()))
+        run_shard(config, manifest, "00000", out, stats, JobContext(engine=Engine(object())))
 
 
 def test_an_input_changed_after_planning_is_refused_before_the_engine_starts(tmp_path):
     config, manifest = plan(tmp_path, make_rows(8))
     write_parquet(tmp_path / "in.parquet", make_rows(9))
     with pytest.raises(InputError, match=r"'.*in.parquet' changed after planning"):
-        run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", engine=Engine(object()))
+        run_shard(
+            config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", JobContext(engine=Engine(object()))
+        )
 
 
 def test_the_engine_listens_on_no_port_other_machines_can_reach(engine):
@@ -287,21 +294,23 @@ def test_the_engine_listens_on_no_port_other_machines_can_reach(engine):
 
 
 def test_several_shards_in_one_job_share_the_engine_and_a_retry_keeps_the_committed_ones(tmp_path, engine):
-    from shardgen.generate import run_shards
+    from shardgen.workers import run_shards
 
     config, manifest = plan(tmp_path, make_rows(20))  # shards of 8: 00000, 00001, 00002
     shard_dir = RunDir(config.output.dir).shards
     shard_dir.mkdir(parents=True)
-    run_shard(config, manifest, "00000", shard_dir / "00000.parquet", shard_dir / "00000.stats.json", engine)
+    run_shard(
+        config, manifest, "00000", shard_dir / "00000.parquet", shard_dir / "00000.stats.json", JobContext(engine)
+    )
     before = (shard_dir / "00000.parquet").stat().st_mtime_ns
     # the retry of a job that died after its first shard
-    done = run_shards(config, manifest, ["00000", "00001", "00002"], engine=engine)
+    done = run_shards(config, manifest, ["00000", "00001", "00002"], JobContext(engine=engine))
     assert [s["shard"] for s in done] == ["00001", "00002"], "the committed shard is kept, the others run"
     assert (shard_dir / "00000.parquet").stat().st_mtime_ns == before
     assert pq.read_table(shard_dir / "00002.parquet").column("row_index").to_pylist() == list(range(16, 20))
     # a shard made with another config is not kept
     config = changed(config, "sampling", max_tokens=6)
-    done = run_shards(config, manifest, ["00000"], engine=engine)
+    done = run_shards(config, manifest, ["00000"], JobContext(engine=engine))
     assert [s["shard"] for s in done] == ["00000"]
     assert engine.llm.llm_engine.get_num_unfinished_requests() == 0, "the shared engine is still there, idle"
 
@@ -310,7 +319,7 @@ def test_out_of_memory_while_generating_keeps_the_finished_rows_and_the_retry_ha
     tmp_path, engine, monkeypatch
 ):
     """CUDA out of memory cannot happen on the CPU build: vLLM's message is raised from a step, as on a GPU."""
-    from shardgen.generate import OutOfMemory
+    from shardgen.memory import OutOfMemory
 
     config, manifest = plan(
         tmp_path, make_rows(16), shards={"rows_per_shard": 16}, checkpoint={"rows": 10_000, "seconds": 3600}
@@ -327,7 +336,9 @@ def test_out_of_memory_while_generating_keeps_the_finished_rows_and_the_retry_ha
     with monkeypatch.context() as m:
         m.setattr(core, "step", step)
         with pytest.raises(OutOfMemory, match="out of memory during generation"):
-            run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", engine, window=2)
+            run_shard(
+                config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", JobContext(engine, window=2)
+            )
     assert engine.llm.llm_engine.get_num_unfinished_requests() == 0, "the failed feed's requests were aborted"
     saved = part_rows(tmp_path / "out" / "checkpoints" / "00000")
     assert saved > 0, "rows finished before the failure are saved"
@@ -443,7 +454,7 @@ def test_an_engine_core_killed_mid_shard_fails_the_attempt_at_once_and_keeps_its
     signal.alarm(240)
     try:
         with pytest.raises(Exception, match="EngineCore encountered an issue") as raised:
-            run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", window=2)
+            run_shard(config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", JobContext(window=2))
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
@@ -463,10 +474,10 @@ def test_a_run_directory_written_by_the_real_writers_reads_back_alike_in_status_
     stopped by SIGTERM after a save, its retry) and each reader reads it back: they agree on rows,
     row errors, resumed rows and attempts. (Records built by hand in unit tests cannot see a writer
     and its readers drift apart.)"""
-    from shardgen.generate import run_shards
     from shardgen.merge import merge
     from shardgen.report import FILES, make_plots
     from shardgen.status import format_status, read_status
+    from shardgen.workers import run_shards
 
     rows = make_rows(20)
     rows[3]["topic"] = "very long " * 2000  # beyond max_model_len: a row error
@@ -475,19 +486,19 @@ def test_a_run_directory_written_by_the_real_writers_reads_back_alike_in_status_
     config = base_config({"parquet": [str(data)]}, output={"dir": str(run_dir.root)}, checkpoint={"rows": 2},
                          errors={"max_rate": 0.2})  # fmt: skip
     write_manifest(config, run_dir.manifest)  # shards of 8: 00000, 00001, 00002 (4 rows)
-    run_shards(config, run_dir.manifest, ["00000", "00001"], engine=engine)
+    run_shards(config, run_dir.manifest, ["00000", "00001"], JobContext(engine=engine))
     with monkeypatch.context() as m:
         stop_after_first_flush(m)  # one request at a time: the stop lands after 2 of its 4 rows
         with pytest.raises(Interrupted, match="stopped by SIGTERM"):
             run_shard(config, run_dir.manifest, "00002", run_dir.shard_file("00002"), run_dir.shard_stats("00002"),
-                      engine, window=1)  # fmt: skip
+                      JobContext(engine, window=1))  # fmt: skip
     st = read_status(run_dir.root, squeue=False)
     assert [s.state for s in st.shards] == ["done", "done", "pending"], format_status(st)
     assert st.shards[2].done == 2 and st.rows_done == 18 and st.errors() == {"prompt_too_long": 1}
 
     leftover = run_dir.shards / ".00002.parquet.0a1b2c3d.tmp"  # of a commit killed mid-write
     leftover.write_bytes(b"PAR1 half a file")
-    (generated,) = run_shards(config, run_dir.manifest, ["00000", "00001", "00002"], engine=engine)
+    (generated,) = run_shards(config, run_dir.manifest, ["00000", "00001", "00002"], JobContext(engine=engine))
     assert not leftover.exists(), "the shard's next commit removes what a killed one left"
     assert generated["shard"] == "00002" and generated["rows_resumed"] == 2
     stopped, finished = generated["attempts"]
@@ -538,9 +549,9 @@ def test_a_chain_whose_first_step_drops_rows_and_second_samples_several_counts_e
     of pairs that finds no pair writes the chosen/rejected columns still."""
     from shardgen import config as cfg
     from shardgen import steps
-    from shardgen.generate import run_shards
     from shardgen.merge import merge
     from shardgen.plan import Manifest
+    from shardgen.workers import run_shards
 
     rows = make_rows(4)
     rows[1]["topic"] = None  # a row error of the draft: both its samples
@@ -567,7 +578,12 @@ def test_a_chain_whose_first_step_drops_rows_and_second_samples_several_counts_e
             run, run_dir = cfg.RunConfig.from_dict(c), RunDir(c["output"]["dir"])
             if not run_dir.manifest.exists():
                 write_manifest(run, run_dir.manifest)
-                run_shards(run, run_dir.manifest, [s.id for s in Manifest.load(run_dir.manifest).shards], engine=engine)
+                run_shards(
+                    run,
+                    run_dir.manifest,
+                    [s.id for s in Manifest.load(run_dir.manifest).shards],
+                    JobContext(engine=engine),
+                )
                 merge(run, run_dir.manifest, run_dir.merged("parquet"), run_dir.stats)
         return steps.finish(raw, tmp_path / "out" / "output.parquet", tmp_path / "out" / "stats.json")
 

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardgen.engine import Engine
-from shardgen.generate import run_shard
+from shardgen.generate import JobContext, run_shard
 from shardgen.plan import write_manifest
 from tests.conftest import base_config, write_parquet
 
@@ -35,7 +35,7 @@ def shard(tmp_path, engine, rows, reasoner_dir, prompt=None, inputs=None, **over
     )  # fmt: skip
     write_manifest(config, tmp_path / "manifest.json")
     out, stats = tmp_path / "00000.parquet", tmp_path / "00000.stats.json"
-    run_shard(config, tmp_path / "manifest.json", "00000", out, stats, engine)
+    run_shard(config, tmp_path / "manifest.json", "00000", out, stats, JobContext(engine))
     return pq.read_table(out).to_pylist(), json.loads(stats.read_text())
 
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen.generate import run_shard
+from shardgen.generate import JobContext, run_shard
 from shardgen.merge import merge
 from shardgen.plan import write_manifest
 from tests.conftest import base_config, make_rows, write_parquet
@@ -48,7 +48,7 @@ def run_all(tmp_path, config, manifest, engine, tag="s") -> list:
             s["id"],
             tmp_path / tag / f"{s['id']}.parquet",
             tmp_path / tag / f"{s['id']}.stats.json",
-            engine,
+            JobContext(engine),
         )
     return shards
 
@@ -212,7 +212,7 @@ def test_seeded_sampling_gives_the_same_text_across_runs_and_shard_sizes(tmp_pat
         sampling={"temperature": 0.9, "max_tokens": 12, "seed": 2024},
         shards={"rows_per_shard": 13},
     )
-    run_shard(config, manifest, "00001", tmp_path / "again.parquet", tmp_path / "again.json", engine)
+    run_shard(config, manifest, "00001", tmp_path / "again.parquet", tmp_path / "again.json", JobContext(engine))
     again = pq.read_table(tmp_path / "again.parquet").to_pylist()
     assert {r["id"]: r["generation"] for r in again} == {r["id"]: texts[48][r["id"]] for r in again}
 
@@ -243,7 +243,9 @@ def test_a_messages_column_dataset_with_few_shot_turns_works(tmp_path, engine):
         errors={"max_rate": 0.5},
     )
     write_manifest(config, tmp_path / "m.json")
-    stats = run_shard(config, tmp_path / "m.json", "00000", tmp_path / "o.parquet", tmp_path / "o.json", engine)
+    stats = run_shard(
+        config, tmp_path / "m.json", "00000", tmp_path / "o.parquet", tmp_path / "o.json", JobContext(engine)
+    )
     out = pq.read_table(tmp_path / "o.parquet").to_pylist()
     assert [r["error"] for r in out] == [None, None, "null_value: column 'chat' is null"]
     assert out[0]["generation"].strip() and out[1]["generation"].strip()

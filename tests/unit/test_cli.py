@@ -41,12 +41,13 @@ def generate_args(tmp_path, parquet_files) -> list[str]:
 def test_the_hugging_face_token_is_gone_before_a_generate_job_runs_model_code(parquet_files, tmp_path, monkeypatch):
     """The Slurm plugin exports the whole environment into every job; only fetch-model and push may use the token."""
     import shardgen.generate
+    from shardgen.stopflag import Interrupted
 
     seen = {}
 
     def run_shard(*args, **kwargs):
         seen.update({k: os.environ.get(k) for k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")})
-        raise shardgen.generate.Interrupted(signal.SIGTERM, "00000")
+        raise Interrupted(signal.SIGTERM, "00000")
 
     monkeypatch.setenv("HF_TOKEN", "hf_ShardgenTestSecret0123456789abcdef")
     monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", "hf_ShardgenTestSecret0123456789abcdef")

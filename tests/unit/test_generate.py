@@ -8,19 +8,20 @@ import signal
 
 import pytest
 
-from shardgen import generate
+from shardgen import generate, workers
 from shardgen.engine import Engine
-from shardgen.generate import Interrupted
+from shardgen.generate import JobContext
+from shardgen.stopflag import Interrupted, StopFlag
 
 
 def test_a_signal_during_one_shard_of_a_job_stops_the_next_before_it_starts(tmp_path):
     running = Engine(llm=object())  # a running engine the job was handed: never started or stopped here
-    with generate._StopFlag() as stop:
+    with StopFlag() as stop:
         os.kill(os.getpid(), signal.SIGTERM)  # as Slurm's, arriving while the previous shard commits
         with pytest.raises(Interrupted, match="shard 00001: stopped by SIGTERM"):
             # nothing of the shard is read or written: its plan does not even exist
             generate.run_shard(None, tmp_path / "no-plan.json", "00001", tmp_path / "out", tmp_path / "stats",
-                               engine=running, stop=stop)  # fmt: skip
+                               JobContext(engine=running, stop=stop))  # fmt: skip
     assert not any(tmp_path.iterdir())
 
 
@@ -46,7 +47,7 @@ def test_a_worker_waiting_for_a_silent_claims_lease_stops_at_once_on_sigterm(tmp
     timer.start()
     started = time.monotonic()
     with pytest.raises(Interrupted, match="stopped by SIGTERM"):
-        generate.run_worker(config, run_dir.manifest, 0, engine=Engine(llm=object()))
+        workers.run_worker(config, run_dir.manifest, 0, JobContext(engine=Engine(llm=object())))
     timer.join()
     assert time.monotonic() - started < 5, "the wait ended with the signal, not with the lease"
 
@@ -69,7 +70,7 @@ def test_a_worker_takes_shards_in_the_plans_work_order(tmp_path, monkeypatch):
     run_dir.manifest.write_text(json.dumps(manifest))
     offered = []
     monkeypatch.setattr(ClaimBoard, "next", lambda self, ids, is_done, steal: offered.append(list(ids())))
-    generate.run_worker(config, run_dir.manifest, 0, engine=Engine(llm=object()))
+    workers.run_worker(config, run_dir.manifest, 0, JobContext(engine=Engine(llm=object())))
     assert offered == [["00001", "00002", "00000"]]
 
 
@@ -108,13 +109,13 @@ def _run_worker_without_engine(config, run_dir, monkeypatch) -> tuple[dict, list
     checks its claim, as every write does, and says it ran."""
     ran = []
 
-    def run_shard(config, manifest_path, shard_id, output, stats, engine, model_record, guard, stop):
-        guard()
+    def run_shard(config, manifest_path, shard_id, output, stats, context):
+        context.guard()
         ran.append(shard_id)
         return {}
 
     monkeypatch.setattr(generate, "run_shard", run_shard)
-    record = generate.run_worker(config, run_dir.manifest, 0, engine=Engine(llm=object()))
+    record = workers.run_worker(config, run_dir.manifest, 0, JobContext(engine=Engine(llm=object())))
     return record, ran
 
 

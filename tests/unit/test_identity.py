@@ -9,7 +9,7 @@ import pytest
 
 from shardgen import config as cfg
 from shardgen import steps
-from shardgen.generate import shard_fingerprint
+from shardgen.identity import shard_fingerprint
 from shardgen.plan import MANIFEST_VERSION, Manifest
 from shardgen.splits import clip
 

@@ -98,7 +98,7 @@ def position(sampled: tuple[int, str | None, float], *top: tuple[int, str | None
 def test_log_probabilities_are_openais_chat_and_completions_logprobs_with_each_requests_own_top_k(tmp_path):
     from openai.types import Completion
 
-    from shardgen.openai_batch import logprobs_of
+    from shardgen.rowsampling import logprobs_of
 
     # per position the sampled token, then the top-k (k + 1 entries where the sampled one is not in it)
     two = [position((5, "Hé", -0.1), (6, "Hey", -2.5)), position((9, None, -7.0), (7, "!", -0.3), (8, ".", -1.5))]
@@ -525,10 +525,10 @@ def score_config(paths: list[str], **extra) -> cfg.RunConfig:
 
 
 def test_a_score_or_rerank_request_is_a_row_per_pair_across_blocks_shards_and_files(tmp_path):
-    from shardgen import sources
+    from shardgen import openai_batch
     from shardgen.plan import Manifest, build_manifest
 
-    many = [f"doc {j}" for j in range(3 * sources.BATCH_BLOCK // 2)]  # a line of rows over two blocks
+    many = [f"doc {j}" for j in range(3 * openai_batch.BATCH_BLOCK // 2)]  # a line of rows over two blocks
     paths = [batch_file(tmp_path / "a.jsonl", [score_request(0, text_1="q0", text_2=["a", "b"]),
                                               score_request(1, "/v1/rerank", query="q1", documents=many, top_n=2),
                                               score_request(2, "/v1/score", queries=["x", "y"], documents=["z", "w"])]),

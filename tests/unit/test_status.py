@@ -98,15 +98,15 @@ def test_the_status_command_prints_the_report_or_says_there_is_no_plan(tmp_path,
 
 
 def test_status_reads_the_attempts_the_job_writes_and_any_failure_an_error_declares(tmp_path):
-    """Records written by the job's own writer (ShardCheckpoint.log_attempt with generate's outcome
+    """Records written by the job's own writer (ShardCheckpoint.log_attempt with records.attempt_end's outcome
     of each error), not by hand; a new kind of failure shows as failed, not pending."""
     import pyarrow as pa
 
-    from shardgen import generate
     from shardgen.errors import ShardgenError
     from shardgen.outputs import ShardCheckpoint
-    from shardgen.records import AttemptStart
+    from shardgen.records import AttemptStart, attempt_end
     from shardgen.results import ResultSpec
+    from shardgen.stopflag import Interrupted
 
     class Preempted(ShardgenError):
         outcome = "preempted_for_good"
@@ -115,12 +115,12 @@ def test_status_reads_the_attempts_the_job_writes_and_any_failure_an_error_decla
     (tmp_path / "plan").mkdir()
     (tmp_path / "plan" / "manifest.json").write_text(json.dumps({"version": 1, "total_rows": 40, "shards": shards}))
     schema = ResultSpec({}).schema(pa.schema([pa.field("text", pa.string())]), "fp", "cfg", "00000")
-    ends = [RuntimeError("boom"), Preempted("gone"), generate.Interrupted(15, "00002"), None]
+    ends = [RuntimeError("boom"), Preempted("gone"), Interrupted(15, "00002"), None]
     for shard, error in zip(shards, ends, strict=True):
         ck = ShardCheckpoint(tmp_path / "checkpoints" / shard["id"], shard["start"], shard["stop"], schema)
         ck.log_attempt(AttemptStart(1, "2026-01-01T00:00:00+00:00", "n1", 1, {"job_id": "7"}, 0))
         if error is not None:
-            ck.log_attempt(generate._attempt_end(error, rows_saved=0))
+            ck.log_attempt(attempt_end(error, rows_saved=0))
         ck.close()
     st = read_status(tmp_path, squeue=False)
     assert [s.state for s in st.shards] == ["failed", "failed", "pending", "running"]

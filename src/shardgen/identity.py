@@ -1,0 +1,29 @@
+"""A shard's identity: the fingerprint of everything that decides its content.
+
+A committed shard's file and stats carry it (``rundir.committed_fingerprint``), and a job keeps a
+shard committed with the same one instead of generating it again (``generate.committed``). The
+config part of it is ``config.content_config``, which leaves out what decides speed, not text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardgen.config import RunConfig, content_config, digest
+from shardgen.plan import Manifest, Shard
+
+
+def shard_fingerprint(config: RunConfig, manifest: Manifest, shard: Shard) -> str:
+    """Everything that decides the shard's content: its input rows and the content config."""
+    src = manifest.data["source"]
+    if "files" in src:  # Parquet files, OpenAI batch files: each by its path, size and modification time
+        inputs: Any = [
+            {k: src["files"][s.file][k] for k in ("path", "size", "mtime_ns")} | {"start": s.start, "stop": s.stop}
+            for s in shard.segments
+        ]
+    elif src["kind"] == "step":  # the committed shard of the step before: its own fingerprint
+        source = manifest.source()
+        inputs = {"step": [source.file_fingerprint(s.file) for s in shard.segments], "start": shard.start}
+    else:
+        inputs = {"fingerprint": src["fingerprint"], "start": shard.start, "stop": shard.stop}
+    return digest({"config": content_config(config.raw), "rows": inputs})
