@@ -34,6 +34,14 @@ def claims_of(out, worker: int) -> list[str]:
     return held
 
 
+def progress_of(out, shard: str) -> dict:
+    """What the shard's running attempt last reported (rows done, its Slurm job), or nothing yet."""
+    try:
+        return json.loads((out / "checkpoints" / shard / "progress.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def test_a_worker_killed_mid_shard_is_taken_over_after_the_lease_and_its_rows_resumed(tmp_path, slurm_cluster):
     rows = 48
     write_parquet(tmp_path / "data" / "in.parquet", make_rows(rows))
@@ -113,14 +121,16 @@ def test_an_idle_worker_splits_the_slowest_shard_and_every_row_is_run_once(tmp_p
     it has not read, runs them as a piece of their own, and the merge holds every row once, in order,
     each run to its own max_tokens."""
     rows = make_rows(48)
-    # About 90 s of generation for shard 0: the other worker's engine started 36 s after its holder's
-    # in one CI run, when 64 tokens a row left it nothing to split
+    # About 90 s of generation for shard 0. The other worker's engine may start much later than its
+    # holder's (36 s later in one CI run, 82 s in another, where shard 0 ended before anyone could ask):
+    # the holder is suspended once it has a rate, until the other worker has committed shards 1 and 2
     for i, row in enumerate(rows):
         row["sampling"] = json.dumps({"max_tokens": 128 if i < 16 else 2})
     write_parquet(tmp_path / "data" / "in.parquet", rows)
     config = workflow_config(
         {"parquet": [str(tmp_path / "data" / "in.parquet")], "id_column": "id", "sampling_column": "sampling"},
-        shards={"rows_per_shard": 16, "workers": 2, "lease_seconds": 30, "split_seconds": 3},
+        # a lease longer than the suspension (the other engine's start and two light shards)
+        shards={"rows_per_shard": 16, "workers": 2, "lease_seconds": 300, "split_seconds": 3},
         prompt={"system": "Answer at length.", "template": "Write about {{ topic }}.", "order": "input"},
         checkpoint={"rows": 2, "seconds": 300},
         sampling={"temperature": 0.0, "max_tokens": 4, "ignore_eos": True},
@@ -128,7 +138,16 @@ def test_an_idle_worker_splits_the_slowest_shard_and_every_row_is_run_once(tmp_p
     )
     config["model"]["max_num_seqs"] = 1  # a shard's time is its rows' tokens, one row at a time
     out = tmp_path / "results"
-    run_workflow(tmp_path, config, "slurm", "--retries", "0")
+    run = Background(tmp_path, config, "slurm", "--retries", "0")
+    run.wait_until(lambda: progress_of(out, "00000").get("done", 0) >= 1, 600, "shard 0's first row")
+    holder_job = progress_of(out, "00000")["job_id"]
+    subprocess.run(["scontrol", "suspend", holder_job], check=True)
+    try:
+        light = [out / "shards" / f"{s}.parquet" for s in ("00001", "00002")]
+        run.wait_until(lambda: all(p.exists() for p in light), 600, "shards 1 and 2, while shard 0's holder waits")
+    finally:
+        subprocess.run(["scontrol", "resume", holder_job], check=True)
+    run.wait()
 
     cuts = sorted(int(p.name.split(".")[1]) for p in (out / "splits").glob("00000.*.cut"))
     assert cuts and all(0 < c < 16 for c in cuts), sorted(p.name for p in (out / "splits").iterdir())
