@@ -305,7 +305,7 @@ def passed_columns(schema: pa.Schema, own: list[str], before: str) -> tuple[pa.S
     for f in schema:
         if f.name not in BOOKKEEPING:
             name = f"{before}_{f.name}" if f.name in own else f.name
-            if name in names or name == DROPPED:
+            if name in names:
                 raise InputError(
                     f"step {before}: its rows have the columns '{name}' and '{f.name}', which the next step would "
                     f"both read as '{name}' (it writes '{f.name}' too, so it reads the earlier one renamed); rename "
