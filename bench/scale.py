@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from shardgen import config as cfg  # noqa: E402
-from shardgen import plan, splits  # noqa: E402
+from shardgen import feed, plan, splits  # noqa: E402
 from shardgen.engine import engine_kwargs  # noqa: E402
 from shardgen.identity import shard_fingerprint  # noqa: E402
 from shardgen.io import atomic_write_text  # noqa: E402
@@ -660,7 +660,7 @@ class Cluster:
     end_watch_s: float = 90.0  # a worker with no shard left watches the others' claims (1.5 heartbeats)
     split_seconds: float = 60.0  # shards.split_seconds
     held_rows: int = 512  # rows a holder has read and not finished: in flight (2 x max_num_seqs 256)
-    read_ahead_rows: int = 0  # and read ahead to be sorted (prompt.order: prefix, 4 x that)
+    order: str = "input"  # prompt.order: prefix also reads rows ahead to sort them (feed.order_window)
 
 
 def simulate(c: Cluster, mode: str, work: list[float]) -> dict[str, Any]:
@@ -737,9 +737,9 @@ def simulate_workers(
     ``c.split_seconds``; a piece whose holder declined is asked again after that long) and cut
     (``splits.cut_point``: the holder keeps the ``c.held_rows`` rows it has read and not finished, and
     half of the rest go), answered within ``splits.POLL_S``; the new piece is taken like a shard. Rows
-    read ahead to be sorted (``c.read_ahead_rows``, ``prompt.order: prefix``) are read no more once
-    the holder was asked (``feed.ShardFeed._poll``): they drain as it generates. A shard's work is
-    spread evenly over its rows."""
+    read ahead to be sorted (``c.order`` prefix: ``read_ahead``) are read no more once the holder was
+    asked (``feed.ShardFeed._order_window``): they drain as it generates. A shard's work is spread
+    evenly over its rows."""
     import heapq
 
     rng = np.random.default_rng([c.seed, 1])
@@ -758,7 +758,7 @@ def simulate_workers(
     held: list[list[Any] | None] = [None] * c.gpus
     resumed: set[int] = set()  # workers whose retry takes their piece back
     declined: dict[str, float] = {}  # piece -> when its holder gave nothing
-    asked_at: dict[str, float] = {}  # piece -> its rows done when its holder was first asked
+    asked_at: dict[str, tuple[float, float]] = {}  # piece -> its rows done and read ahead when first asked
     billed, ends, starts, failures, asked, made = 0.0, [], c.gpus, 0, 0, 0
 
     def run(w: int, t: float) -> None:  # worker w generates its piece from t
@@ -772,10 +772,10 @@ def simulate_workers(
         return min(piece[1] + (t - piece[4]) / piece[3], piece[2])
 
     def held_rows(piece: list[Any], done: float) -> float:  # read and not finished
-        ahead = c.read_ahead_rows
-        if piece[0] in asked_at:
-            ahead = max(0.0, ahead - (done - asked_at[piece[0]]))
-        return c.held_rows + ahead
+        if piece[0] not in asked_at:
+            return c.held_rows + read_ahead(c, piece[2] - done, 1 / piece[3])
+        was_done, ahead = asked_at[piece[0]]
+        return c.held_rows + max(0.0, ahead - (done - was_done))
 
     while events:
         t, w, v = heapq.heappop(events)
@@ -828,7 +828,7 @@ def simulate_workers(
                 p, answer = held[h], t + splits.POLL_S
                 done = rows_done(p, answer)
                 floor = int(min(done + held_rows(p, done), p[2]))  # rows read: done, and those held
-                asked_at.setdefault(p[0], done)
+                asked_at.setdefault(p[0], (done, floor - done - c.held_rows))
                 cut = splits.cut_point(floor, int(p[2]), int(floor - done))
                 if cut is None:
                     declined[p[0]] = t
@@ -848,9 +848,15 @@ def simulate_workers(
     return out | {"failures": failures, "splits_asked": asked, "splits_made": made}
 
 
-# The rows a holder has read ahead to sort them (feed.ShardFeed.run), beside its requests in flight
-# (Cluster.held_rows): neither can a split give away (splits.cut_point).
-READ_AHEAD = {"input": 0, "prefix": 2048}
+def read_ahead(c: Cluster, rows_left: float, rows_per_s: float) -> float:
+    """The rows a holder of ``rows_left`` unfinished rows has read ahead to sort them, beside its requests
+    in flight (``c.held_rows``): neither can a split give away (``splits.cut_point``). Prefix order sorts
+    ``feed.order_window`` of them at the piece's rate."""
+    if c.order != "prefix":
+        return 0.0
+    return min(feed.order_window(c.held_rows, rows_per_s), max(0.0, rows_left - c.held_rows))
+
+
 ORDERS = {  # name: (tail cut by the plan, order the workers take shards in, idle workers split: prompt.order)
     "plan order": (False, lambda m: [s.id for s in m.shards], None),
     "longest first": (False, plan.work_order, None),
@@ -860,16 +866,30 @@ ORDERS = {  # name: (tail cut by the plan, order the workers take shards in, idl
 }
 
 
+def defaults(c: Cluster) -> tuple[Cluster, tuple[bool, Any, str | None]]:
+    """The run a user gets with only ``shards.workers`` set (one per GPU), as the package's config gives
+    it: its tail, the order workers take shards in, its splits and their ``prompt.order``."""
+    run = cfg.RunConfig.from_dict({"input": {"parquet": ["data.parquet"]}, "model": {"model": "m"},
+                                   "prompt": {"template": "{{ text }}"}, "shards": {"workers": c.gpus}})  # fmt: skip
+    s = run.shards
+    assert s.rows_per_shard == c.rows_per_shard and s.balance == "rows", "the simulated plan is the default one"
+    split = run.prompt.order if s.split_seconds > 0 else None
+    return replace(c, split_seconds=s.split_seconds), (s.tail == "guided", plan.work_order, split)
+
+
 def simulate_end(c: Cluster, estimate: str) -> dict[str, Any]:
-    """Elastic workers under each order of ``ORDERS``, on the same work (one draw of ``c.seed``)."""
+    """Elastic workers under each order of ``ORDERS`` and the ``defaults``, on the same work (one draw of
+    ``c.seed``)."""
     raw = np.random.default_rng(c.seed).lognormal(0.0, c.sigma, c.shards)
     density = raw / raw.mean() * c.shard_seconds / c.rows_per_shard
     total = float(density.sum()) * c.rows_per_shard
     bound = total / c.gpus + c.engine_start_s
     runs = []
-    for name, (tail, order, split) in ORDERS.items():
-        manifest, works = sim_plan(c, density, tail, estimate)
-        held = replace(c, read_ahead_rows=READ_AHEAD[split]) if split else c
+    policies = [(name, c, policy) for name, policy in ORDERS.items()]
+    policies.append(("defaults", *defaults(c)))
+    for name, cluster, (tail, order, split) in policies:
+        manifest, works = sim_plan(cluster, density, tail, estimate)
+        held = replace(cluster, order=split) if split else cluster
         r = simulate_workers(held, order(manifest), {s.id: w for s, w in zip(manifest.shards, works, strict=True)},
                              split is not None, {s.id: s.rows for s in manifest.shards})  # fmt: skip
         runs.append({"order": name, "shards": len(works)} | r | {"vs_bound": round(r["makespan_h"] * 3600 / bound, 3)})
@@ -899,7 +919,7 @@ def step_simulate(work_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     # elastic workers on the same work, with the package's own policy: in plan order, and with the tail
     workers = simulate_end(c, "rows")["runs"]
     runs += [workers[0] | {"mode": "workers"}, workers[2] | {"mode": "workers + tail"},
-             workers[3] | {"mode": "workers + tail + split"}]  # fmt: skip
+             workers[3] | {"mode": "workers + tail + split"}, workers[-1] | {"mode": "workers, defaults"}]  # fmt: skip
     base = runs[0]
     for r in runs:
         r["makespan_vs_per_shard"] = round(r["makespan_h"] / base["makespan_h"], 2)
@@ -1026,13 +1046,16 @@ UNEVEN = {  # the data: every shard rows_per_shard rows; the first `heavy` shard
     "heavy_tokens": 240,
     "workers": 2,
 }
-UNEVEN_ORDERS = {  # name: the shards section's additions
+UNEVEN_ORDERS = {  # name: the shards section's additions, and prompt.order (None: the default)
     # balance: rows, shards of equal rows and no estimate: plan.work_order gives plan order (ties)
-    "plan order": {"split_seconds": 0},
+    "plan order": ({"tail": "none", "split_seconds": 0}, "input"),
     # the plan's policy: longest first (a no-op without an estimate) and the plan's guided tail
-    "longest first + tail": {"tail": "guided", "split_seconds": 0},
-    # an idle worker splits the running shard with the most time left (the default, 60 s; here 5 s)
-    "plan order + split": {"split_seconds": 5},
+    "longest first + tail": ({"tail": "guided", "split_seconds": 0}, "input"),
+    # an idle worker splits the running shard with the most time left (the default, 60 s; here 5 s); input
+    # order: a split can give away every row not in flight
+    "plan order + split": ({"tail": "none", "split_seconds": 5}, "input"),
+    # what a user gets with only shards.workers set: the guided tail, splits after 60 s, prefix order
+    "defaults": ({}, None),
 }
 
 
@@ -1049,7 +1072,7 @@ if os.environ.get("SLURM_JOB_ID") and _gpus.isdigit():
 """
 
 
-def uneven_run(d: Path, shards_cfg: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def uneven_run(d: Path, shards_cfg: dict[str, Any], order: str | None, args: argparse.Namespace) -> dict[str, Any]:
     """One run of the workflow on the local Slurm over ``d/in.parquet``: makespan, per-worker tail,
     and every row exactly once in the merged output."""
     from datetime import datetime
@@ -1060,8 +1083,8 @@ def uneven_run(d: Path, shards_cfg: dict[str, Any], args: argparse.Namespace) ->
     config = {
         "input": {"parquet": [str(d / "in.parquet")], "id_column": "id", "sampling_column": "sampling"},
         "shards": {"rows_per_shard": u["rows_per_shard"], "workers": u["workers"], **shards_cfg},
-        # input order: a split can give away every row not in flight (prefix reads 1,024 ahead to sort)
-        "prompt": {"system": "Answer at length.", "template": "Write about {{ topic }}.", "order": "input"},
+        "prompt": {"system": "Answer at length.", "template": "Write about {{ topic }}."}
+        | ({"order": order} if order else {}),
         "model": {
             "model": str(ROOT / "models" / "SmolLM2-135M-Instruct"),
             "dtype": "float32",
@@ -1158,11 +1181,12 @@ def step_uneven(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         for i in range(n)
     ]
     runs = []
-    for name, shards_cfg in UNEVEN_ORDERS.items():
+    for name, (shards_cfg, order) in UNEVEN_ORDERS.items():
         d = fresh_dir(work / "uneven" / name.replace(" ", "-").replace("+", "and"))
         pq.write_table(pa.Table.from_pylist(rows), d / "in.parquet", row_group_size=u["rows_per_shard"])
         say(f"uneven: {name}, {n} rows on the local Slurm with {u['workers']} workers")
-        r = {"order": name, "shards_config": shards_cfg} | uneven_run(d, shards_cfg, args)
+        r = {"order": name, "shards_config": shards_cfg, "prompt_order": order or "prefix (default)"}
+        r |= uneven_run(d, shards_cfg, order, args)
         say(f"  {r['shards']} shards, makespan {r['makespan_s']} s, idle tail {r['idle_tail_s']} s")
         runs.append(r)
     base = runs[0]["makespan_s"]
@@ -1295,10 +1319,13 @@ def markdown(result: dict[str, Any]) -> str:
                 "on uniform prompts); `work`: the plan's `estimated_tokens` is each shard's true work. `split`: "
                 f"a worker with no shard left asks for a split (`shards.split_seconds` "
                 f"{c['split_seconds']:.0f}; `splits.victim`, `splits.cut_point`: the holder keeps the rows it "
-                f"read, {c['held_rows']:,} in flight, and with `prompt.order: prefix` {READ_AHEAD['prefix']:,} "
-                f"read ahead to sort, read no more once asked; half of the rest go), answered within "
+                f"read, {c['held_rows']:,} in flight, and with `prompt.order: prefix` those read ahead to sort "
+                f"(`feed.order_window`: up to 2,048, and no more than the piece finishes in "
+                f"{feed.ORDER_WINDOW_SECONDS:g} s), read no more once asked; half of the rest go), answered within "
                 f"{splits.POLL_S:g} s; shards of {c['rows_per_shard']:,} rows, the work even over a shard's rows; "
-                "pieces: the pieces splits made and ran.\n\n"
+                "pieces: the pieces splits made and ran. `defaults`: the config a user gets with only "
+                "`shards.workers` set (`bench/scale.py: defaults`, from the package's config: the guided tail, "
+                "splits, `prompt.order: prefix`).\n\n"
                 "| shards | GPUs | sigma | estimate | bound (h) | largest shard ÷ bound | order | shards run "
                 "| pieces | makespan (h) | ÷ bound | efficiency | failures |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
@@ -1315,8 +1342,8 @@ def markdown(result: dict[str, Any]) -> str:
                 "\nNo order of the plan's shards can end before its largest shard does (largest shard ÷ bound): "
                 "where that is above the target, only a plan that knows the shard is large (the estimate) "
                 "cuts it, or a split of the running shard, which needs no estimate. A split gives away only "
-                "rows the holder has not read: `prompt.order: prefix` reads 2,048 rows ahead to sort them, "
-                "so its splits come later and give less.\n"
+                "rows the holder has not read: `prompt.order: prefix` reads rows ahead to sort them (at most what "
+                "it finishes in a minute), so its splits give a little less.\n"
             )
     if (modes := result.get("modes")) and "runs" in modes:
         text += (

@@ -21,6 +21,7 @@ fi
 if [ "${1:-}" = --choose ]; then echo "$flavor: $why"; exit 0; fi
 venv=${1:-.venv}
 echo "setup: creating $venv with the $flavor build of vLLM ($why)"
+echo "setup: installing vLLM, torch, Snakemake and shardgen into $venv (the first time: several minutes)"
 python3 -m venv "$venv"
 pip="$venv/bin/python -m pip"
 case "$flavor" in

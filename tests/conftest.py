@@ -43,7 +43,7 @@ REASONER = ROOT / "models" / "reasoner"
 def reasoner_dir() -> Path:
     """The reasoning test model (scripts/make_test_models.py: ``make_reasoner``)."""
     if not (REASONER / "config.json").exists():
-        pytest.fail(f"the reasoning test model is missing at {REASONER}: run `make setup`")
+        pytest.fail(f"the reasoning test model is missing at {REASONER}: run `make test-models`")
     return REASONER
 
 

@@ -214,6 +214,8 @@ def check_consistency(config: dict[str, Any]) -> None:
         )
     if shards.get("tail") == "guided" and not shards.get("workers"):
         raise ConfigError("shards.tail: guided cuts the tail per worker: it needs shards.workers")
+    if shards.get("workers") and shards.get("tail") is None:
+        shards["tail"] = "guided"  # the default where there are workers (schema: shards.tail)
     if prompt.get("system") and not prompt.get("chat", True):
         raise ConfigError(
             "prompt.system is set but prompt.chat is false: a system message needs the chat template; "

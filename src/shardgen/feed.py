@@ -71,6 +71,30 @@ class Split(Protocol):
 PREPARE_BATCH = 64
 # How often a running shard rewrites its progress.json (what the tests and `shardgen status` read).
 PROGRESS_SECONDS = 5.0
+# prompt.order: prefix sorts no fewer prepared requests than this: one batch.
+ORDER_WINDOW_MIN = PREPARE_BATCH
+# A piece a split may cut reads ahead to sort no more rows than it finishes in this time.
+ORDER_WINDOW_SECONDS = 60.0
+
+
+def order_window(in_flight: int, rows_per_s: float | None = None) -> int:
+    """How many prepared requests ``prompt.order: prefix`` sorts at once: 4 × the requests kept in flight
+    (at least 1,024); for a piece an idle worker may split (``rows_per_s``: its rate so far), no more than
+    it finishes in ``ORDER_WINDOW_SECONDS`` (at least ``ORDER_WINDOW_MIN``).
+
+    A split gives away only rows its holder has not read (``splits.cut_point``). A window of a fixed size
+    read a tail shard of the plan (a quarter of an average shard) to its end at once, and held the
+    heaviest shards' rows for a long time (output lengths the plan cannot see, at the end of the run:
+    those are the ones split): with the guided tail and splits, 10,000 shards of sigma 1.5 on 256 GPUs
+    ended at 1.38× the bound with that window and at 1.07× with this one (``bench/results/scale.md``,
+    the ``defaults`` rows). Rows that finish fast, where sharing a prefix saves most of a row's time, keep
+    the whole window (a piece finishing 35 rows/s or more); rows of long outputs, whose time is decoding,
+    sort fewer (``bench/results/order.md``).
+    """
+    full = max(4 * in_flight, 1024)
+    if rows_per_s is None:
+        return full
+    return min(full, max(ORDER_WINDOW_MIN, int(rows_per_s * ORDER_WINDOW_SECONDS)))
 
 
 class TooManyErrors(ShardgenError):
@@ -177,21 +201,22 @@ def prepared_requests(
     tokenizer: Tokenizer,
     task: Task,
     on_error: Callable[[int, dict[str, Any], RowError], None],
-    order_window: int = 0,
+    order_window: Callable[[], int] | None = None,
     inputs: RowInputs | None = None,
     batch_rows: int = PREPARE_BATCH,
-    read_ahead: Callable[[], bool] = lambda: True,
 ) -> Iterator[Request]:
     """The rows as requests, prepared ``PREPARE_BATCH`` at a time as they are pulled.
 
     A row that cannot become a prompt (a null value, a template error, too
-    long, an adapter not declared) goes to ``on_error`` instead. With ``order_window`` > 0, requests
-    come out of a moving window of up to that many prepared ones, smallest
-    prompt tokens first (prefix order).
+    long, an adapter not declared) goes to ``on_error`` instead. With ``order_window`` (prefix order),
+    requests come out of a moving window of prepared ones, smallest prompt tokens first: up to
+    ``order_window()`` of them, asked before each read (1 once an idle worker asked for a split: no row
+    is then read to be sorted until the window has drained, so the rows not read yet are the ones a
+    split can give).
     """
     inputs = inputs or RowInputs()
     batches = (_prepare(batch, renderer, tokenizer, task, on_error, inputs) for batch in _chunks(rows, batch_rows))
-    if order_window <= 0:
+    if order_window is None:
         for batch in batches:
             yield from batch
         return
@@ -199,9 +224,7 @@ def prepared_requests(
     seq = itertools.count()
     exhausted = False
     while True:
-        # once ``read_ahead()`` is false (an idle worker asked for a split), no row is read to be sorted
-        # until the window has drained: the rows not read yet are the ones a split can give
-        while not exhausted and len(heap) < (order_window if read_ahead() else 1):
+        while not exhausted and len(heap) < order_window():
             batch = next(batches, None)
             if batch is None:
                 exhausted = True
@@ -496,11 +519,12 @@ class ShardFeed:
             TooManyErrors: the shard's errors passed ``errors.max_rate``.
         """
         work = self.work
-        order_window = max(4 * self.feeder.window, 1024) if self.order == "prefix" else 0
         self._read_ahead = True
+        self._started, self._rows_before = time.monotonic(), self.counters.rows
         batch_rows = min(PREPARE_BATCH, self.feeder.window)  # no row read long before the engine takes it (splits)
+        window = self._order_window if self.order == "prefix" else None
         requests = prepared_requests(work.remaining, work.renderer, self.tokenizer, self.task, self._row_error,
-                                     order_window, self.inputs, batch_rows, lambda: self._read_ahead)  # fmt: skip
+                                     window, self.inputs, batch_rows)  # fmt: skip
         every = work.every
         self._report_progress(time.time())
         try:
@@ -518,6 +542,18 @@ class ShardFeed:
             self._flush(time.time())
             self._report_progress(time.time())  # what is saved now, for shardgen status
             self._bar.close()
+
+    def _order_window(self) -> int:
+        """prompt.order: prefix: the requests to sort now (``order_window``: for a piece a split may cut,
+        what it finishes in ``ORDER_WINDOW_SECONDS`` at its rate so far); 1 once an idle worker asked for a
+        split (``_poll``): the rows not read are what the next split gives."""
+        if not self._read_ahead:
+            return 1
+        if self.work.split is None:
+            return order_window(self.feeder.window)
+        elapsed = time.monotonic() - self._started
+        rate = (self.counters.rows - self._rows_before) / elapsed if elapsed > 0 else 0.0
+        return order_window(self.feeder.window, rate)
 
     def _poll(self) -> bool:
         """Between engine steps: whether to stop; first, an idle worker's request for a split is answered

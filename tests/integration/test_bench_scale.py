@@ -63,7 +63,8 @@ def test_the_scale_benchmark_measures_plan_dry_run_merge_and_simulates_the_three
     # the simulation: every mode ran all the work; workers start the fewest engines and finish first,
     # and sooner with the plan's guided tail
     sim = {r["mode"]: r for r in result["simulate"]["runs"]}
-    assert list(sim) == ["per_shard", "per_job", "workers", "workers + tail", "workers + tail + split"]
+    assert list(sim) == ["per_shard", "per_job", "workers", "workers + tail", "workers + tail + split",
+                         "workers, defaults"]  # fmt: skip
     cluster = result["simulate"]["cluster"]
     assert sim["per_shard"]["engine_starts"] == cluster["shards"]
     assert sim["per_job"]["engine_starts"] == cluster["shards"] // cluster["per_job"]
@@ -78,4 +79,9 @@ def test_the_scale_benchmark_measures_plan_dry_run_merge_and_simulates_the_three
     end = {(e["sigma"], e["estimate"], e["shards"]): e["runs"] for e in result["simulate"]["end"]}
     (split,) = [r for r in end[(1.5, "rows", 1000)] if r["order"] == "longest first + tail + split, order input"]
     assert split["vs_bound"] <= 1.10 and split["efficiency"] >= 0.97, split
+    # what a user gets with only shards.workers set (issue 38): the tail and splits by default, in prefix order
+    for (sigma, estimate, shards), runs in end.items():
+        (defaults,) = [r for r in runs if r["order"] == "defaults"]
+        assert defaults["efficiency"] >= 0.97, (sigma, estimate, shards, defaults)
+        assert defaults["vs_bound"] <= (1.05 if sigma <= 1.0 else 1.10), (sigma, estimate, shards, defaults)
     assert "**Simulated**" in md

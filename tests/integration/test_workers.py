@@ -47,7 +47,7 @@ def test_a_worker_killed_mid_shard_is_taken_over_after_the_lease_and_its_rows_re
     write_parquet(tmp_path / "data" / "in.parquet", make_rows(rows))
     config = workflow_config(
         {"parquet": [str(tmp_path / "data" / "in.parquet")], "id_column": "id"},
-        shards={"rows_per_shard": 12, "workers": 2, "lease_seconds": 8},
+        shards={"rows_per_shard": 12, "workers": 2, "lease_seconds": 8, "tail": "none"},
         checkpoint={"rows": 2, "seconds": 300},
         sampling={"temperature": 0.0, "max_tokens": 16, "ignore_eos": True},
         # one CPU each: the node's two run both workers at once
@@ -130,7 +130,7 @@ def test_an_idle_worker_splits_the_slowest_shard_and_every_row_is_run_once(tmp_p
     config = workflow_config(
         {"parquet": [str(tmp_path / "data" / "in.parquet")], "id_column": "id", "sampling_column": "sampling"},
         # a lease longer than the suspension (the other engine's start and two light shards)
-        shards={"rows_per_shard": 16, "workers": 2, "lease_seconds": 300, "split_seconds": 3},
+        shards={"rows_per_shard": 16, "workers": 2, "lease_seconds": 300, "split_seconds": 3, "tail": "none"},
         prompt={"system": "Answer at length.", "template": "Write about {{ topic }}.", "order": "input"},
         checkpoint={"rows": 2, "seconds": 300},
         sampling={"temperature": 0.0, "max_tokens": 4, "ignore_eos": True},

@@ -39,7 +39,7 @@ def test_a_worker_waiting_for_a_silent_claims_lease_stops_at_once_on_sigterm(tmp
     run_dir = RunDir(tmp_path / "results")
     data = write_parquet(tmp_path / "in.parquet", make_rows(4))
     config = base_config({"parquet": [str(data)]}, output={"dir": str(run_dir.root)},
-                         shards={"rows_per_shard": 8, "workers": 1, "lease_seconds": 60})  # fmt: skip
+                         shards={"rows_per_shard": 8, "workers": 1, "lease_seconds": 60, "tail": "none"})  # fmt: skip
     write_manifest(config, run_dir.manifest)
     other = Holder(worker=1, token="other", host=Holder.here(0).host, job_id=None, pid=os.getppid())
     assert ClaimBoard(run_dir.claims, other, 60, below=run_dir.root).claim("00000") is not None
@@ -63,7 +63,7 @@ def test_a_worker_takes_shards_in_the_plans_work_order(tmp_path, monkeypatch):
     run_dir = RunDir(tmp_path / "results")
     data = write_parquet(tmp_path / "in.parquet", make_rows(12))
     config = base_config({"parquet": [str(data)]}, output={"dir": str(run_dir.root)},
-                         shards={"rows_per_shard": 4, "workers": 1})  # fmt: skip
+                         shards={"rows_per_shard": 4, "workers": 1, "tail": "none"})  # fmt: skip
     manifest = write_manifest(config, run_dir.manifest)
     for shard, tokens in zip(manifest["shards"], [10, 30, 20], strict=True):
         shard["estimated_tokens"] = tokens
@@ -88,7 +88,8 @@ def _replanned_with_a_stale_claim(tmp_path, stale: str, holder_worker: int, old_
 
     def config(rows):
         return base_config({"parquet": [str(data)]}, output={"dir": str(run_dir.root)},
-                           shards={"rows_per_shard": rows, "workers": 2, "lease_seconds": 60})  # fmt: skip
+                           shards={"rows_per_shard": rows, "workers": 2, "lease_seconds": 60,
+                                   "tail": "none"})  # fmt: skip
 
     write_manifest(config(old_rows), run_dir.manifest)
     if cut is not None:

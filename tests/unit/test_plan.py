@@ -323,3 +323,15 @@ def test_a_guided_tail_needs_workers(parquet_files):
 
     with pytest.raises(ConfigError, match="needs shards.workers"):
         base_config({"parquet": [str(f) for f in parquet_files]}, shards={"tail": "guided"})
+
+
+def test_workers_get_the_guided_tail_by_default_and_none_turns_it_off(parquet_files):
+    """The defaults deliver (issue 38): with shards.workers and no shards.tail the plan cuts its tail, as
+    with tail: guided; tail: none keeps the shards of `balance`, as a run without workers has."""
+    inputs = {"parquet": [str(f) for f in parquet_files]}
+    by_default = build_manifest(base_config(inputs, shards={"rows_per_shard": 2, "workers": 2}))
+    guided = build_manifest(base_config(inputs, shards={"rows_per_shard": 2, "workers": 2, "tail": "guided"}))
+    off = build_manifest(base_config(inputs, shards={"rows_per_shard": 2, "workers": 2, "tail": "none"}))
+    plain = build_manifest(base_config(inputs, shards={"rows_per_shard": 2}))
+    assert by_default["tail"] == {"kind": "guided", "workers": 2} and by_default["shards"] == guided["shards"]
+    assert "tail" not in off and off["shards"] == plain["shards"]

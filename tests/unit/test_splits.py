@@ -102,7 +102,8 @@ def split_run(tmp_path, monkeypatch) -> tuple[RunConfig, RunDir]:
     rows = [{"id": f"r{i:02d}", "topic": None if i in ERROR_ROWS else f"topic {i}"} for i in range(60)]
     data = write_parquet(tmp_path / "in.parquet", rows)
     config = base_config({"parquet": [str(data)]}, output={"dir": str(run_dir.root)},
-                         shards={"rows_per_shard": 60, "workers": 2, "lease_seconds": 60, "split_seconds": 10},
+                         shards={"rows_per_shard": 60, "workers": 2, "lease_seconds": 60, "split_seconds": 10,
+                                 "tail": "none"},
                          prompt={"template": "One sentence about {{ topic }}.", "order": "input"},
                          checkpoint={"rows": 5}, errors={"max_rate": 0.1})  # fmt: skip
     write_manifest(config, run_dir.manifest)
@@ -271,18 +272,34 @@ def test_once_asked_the_feed_reads_no_row_ahead_to_sort_so_the_next_split_has_ro
     tokenizer = SimpleNamespace(encode_batch=lambda prompts: [[len(p)] for p in prompts])
     task = SimpleNamespace(params=lambda index, row: None)
     stream = RowStream(((i, {"p": "x" * (i % 7 + 1)}) for i in range(1000)), 1000, 0)
-    read_ahead = [True]
-    requests = prepared_requests(stream, renderer, tokenizer, task, None, order_window=64, batch_rows=8,
-                                 read_ahead=lambda: read_ahead[0])  # fmt: skip
+    window = [64]
+    requests = prepared_requests(stream, renderer, tokenizer, task, None, order_window=lambda: window[0], batch_rows=8)
     sent = [next(requests).key for _ in range(10)]
     assert sent[:3] == [0, 7, 14] and stream.floor >= 64, "the shortest prompts first, over the rows read ahead"
-    read_ahead[0] = False
+    window[0] = 1  # ShardFeed._order_window once asked
     floor = stream.floor
     for _ in range(floor - len(sent)):  # the rows read ahead drain first, and no row more is read
         next(requests)
     assert stream.floor == floor
     next(requests)
     assert stream.floor == floor + 8, "then one batch at a time"
+
+
+def test_prefix_order_sorts_what_a_piece_finishes_in_a_minute_so_a_split_has_rows_to_give():
+    """A tail shard of the plan is a quarter of an average shard (2,500 rows of 10,000): a fixed window of
+    2,048 beside 512 in flight read it whole at its start, and a split had nothing to give (issue 38).
+    A piece a split may cut sorts what it finishes in ORDER_WINDOW_SECONDS; a run without splits, all."""
+    from shardgen.feed import ORDER_WINDOW_MIN, ORDER_WINDOW_SECONDS, order_window
+
+    assert order_window(512) == 2048 and order_window(8) == 1024, "no splits: the whole window"
+    assert order_window(512, 100.0) == 2048, "fast rows: the whole window"
+    assert order_window(512, 10.0) == int(10 * ORDER_WINDOW_SECONDS) < 2048
+    assert order_window(512, 0.0) == ORDER_WINDOW_MIN > 0, "no rate yet: one batch"
+    rows, in_flight = 2_500, 512
+    read = in_flight + order_window(in_flight, 10.0)  # 10 rows/s, asked once the window is full
+    holder = splits.cut_point(read, rows, held=read)
+    assert holder is not None and rows - holder >= 900, (read, holder)
+    assert splits.cut_point(in_flight + order_window(in_flight), rows, held=in_flight + 2048) is None, "before"
 
 
 def test_a_holder_closes_the_splits_directory_it_opened_so_a_worker_of_many_pieces_keeps_no_descriptors(tmp_path):
