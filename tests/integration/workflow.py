@@ -68,6 +68,9 @@ def slurm_jobs(workdir: Path) -> dict[str, str]:
 def end_hung(proc: subprocess.Popen, workdir: Path | None, bound: float, output: str = "") -> AssertionError:
     """A run that outlived its bound: its stacks, then it is killed with its children and its Slurm jobs."""
     dump = stacks(proc.pid, workdir)
+    # every job on the cluster (a job of something else may hold the node: a CI run once waited 9 minutes
+    # behind another run's job): state, time used and limit, reason, directory
+    queue = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i %T %M/%l %R %Z"], capture_output=True, text=True)
     try:
         victims = psutil.Process(proc.pid).children(recursive=True)
     except psutil.Error:
@@ -85,7 +88,8 @@ def end_hung(proc: subprocess.Popen, workdir: Path | None, bound: float, output:
         subprocess.run(["scancel", *ids])
     return AssertionError(
         f"{' '.join(map(str, proc.args))[:300]} did not end within {bound:.0f} s; its Slurm jobs then: {jobs}; "
-        f"the stacks of its processes (py-spy):\n{dump}\n--- its output:\n{output[-5000:]}"
+        f"the cluster's queue:\n{queue.stdout[-3000:]}\nthe stacks of its processes (py-spy):\n{dump}\n"
+        f"--- its output:\n{output[-5000:]}"
     )
 
 
