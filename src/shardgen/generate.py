@@ -152,9 +152,10 @@ class ShardJob:
         """What the feed reads from and writes to."""
         floor = max(self.done, default=self.shard.start - 1) + 1  # a cut leaves every saved row to this shard
         rows = RowStream(self.remaining_rows(), self.shard.stop, floor)
+        split = self.splitter if self.splitter is not None and self.splitter.answer else None  # split_seconds 0: none
         return ShardWork(self.shard.id, self.shard.rows, len(self.done), rows, self.renderer, self.ckpt,
                          self.config.checkpoint, self.config.prompt.order, self.budget, self.progress,
-                         self.splitter, self.narrow)  # fmt: skip
+                         split, self.narrow)  # fmt: skip
 
     def narrow(self, stop: int) -> None:
         """The shard now ends at ``stop``: the holder split it there (``splits.Splitter.decide``)."""

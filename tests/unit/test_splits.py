@@ -302,6 +302,33 @@ def test_prefix_order_sorts_what_a_piece_finishes_in_a_minute_so_a_split_has_row
     assert splits.cut_point(in_flight + order_window(in_flight), rows, held=in_flight + 2048) is None, "before"
 
 
+def test_a_feed_sorts_the_whole_window_unless_a_split_may_cut_its_piece_then_what_it_finishes_in_a_minute():
+    """ShardFeed asks order_window with its rate only when an idle worker may split its piece (an elastic
+    worker's, with shards.split_seconds > 0: generate.ShardJob.work gives the feed no split otherwise)."""
+    import time
+    from types import SimpleNamespace
+
+    from shardgen.feed import ORDER_WINDOW_SECONDS, ShardFeed
+    from shardgen.stats import AttemptCounters
+
+    scheduler = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=256))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=scheduler))
+
+    def feed(split, rows_done: int) -> ShardFeed:
+        work = SimpleNamespace(shard_id="00000", rows=10_000, resumed=0, order="prefix", split=split)
+        f = ShardFeed(work, None, None, llm, lambda: False, AttemptCounters())  # type: ignore[arg-type]
+        f._read_ahead, f._started, f._rows_before = True, time.monotonic() - 100, 0  # 100 s into the piece
+        f.counters.rows = rows_done
+        return f
+
+    assert feed(None, 100)._order_window() == 2048, "no split: the whole window, whatever the rate"
+    window = feed(object(), 500)._order_window()  # 5 rows/s
+    assert abs(window - 5 * ORDER_WINDOW_SECONDS) <= 2, window
+    asked = feed(object(), 500)
+    asked._read_ahead = False
+    assert asked._order_window() == 1, "asked for a split: no row more is read to be sorted"
+
+
 def test_a_holder_closes_the_splits_directory_it_opened_so_a_worker_of_many_pieces_keeps_no_descriptors(tmp_path):
     def open_fds() -> int:
         return len(os.listdir("/proc/self/fd"))
