@@ -69,7 +69,8 @@ t3 = time.perf_counter()
 pq.write_table(pa.table({"id": [r["id"] for r in rows], "generation": [o.outputs[0].text for o in outputs]}),
                args["output"])
 t4 = time.perf_counter()
-print(json.dumps({"import_s": t1 - t0, "engine_start_s": t2 - t1, "generation_s": t3 - t2, "write_s": t4 - t3}))
+timing = {"import_s": t1 - t0, "engine_start_s": t2 - t1, "generation_s": t3 - t2, "write_s": t4 - t3}
+open(args["timing"], "w").write(json.dumps(timing))
 """
 
 # Snakemake's log: "[Sun Dec  6 01:08:37 2026]" before each job's start ("rule x:" / "localrule x:") and end
@@ -85,13 +86,13 @@ def env() -> dict[str, str]:
 
 def plain(d: Path, data: Path, sampling: dict) -> dict:
     args = {"engine": ENGINE, "input": str(data), "system": SYSTEM, "template": TEMPLATE,
-            "sampling": sampling, "output": str(d / "plain.parquet")}  # fmt: skip
+            "sampling": sampling, "output": str(d / "plain.parquet"), "timing": str(d / "timing.json")}  # fmt: skip
     t = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", PLAIN, json.dumps(args)], capture_output=True, text=True, env=env())
     seconds = time.perf_counter() - t
     if out.returncode:
         raise SystemExit(f"the plain script failed:\n{out.stderr[-3000:]}")
-    parts = json.loads(out.stdout.strip().splitlines()[-1])
+    parts = json.loads((d / "timing.json").read_text())
     parts["python_start_s"] = seconds - sum(parts.values())
     return {"seconds": seconds, "parts": parts}
 
