@@ -75,7 +75,7 @@ open(args["timing"], "w").write(json.dumps(timing))
 
 # Snakemake's log: "[Sun Dec  6 01:08:37 2026]" before each job's start ("rule x:" / "localrule x:") and end
 STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
-START = re.compile(r"^(?:local)?rule (\w+):$")
+START = re.compile(r"^(?:local)?(?:rule|checkpoint) (\w+):$")
 END = re.compile(r"^Finished jobid: \d+ \(Rule: (\w+)\)$")
 
 
