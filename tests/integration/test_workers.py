@@ -13,7 +13,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import make_rows, write_parquet
-from tests.integration.workflow import BIN, Background, generate_process, part_rows, run_workflow, workflow_config
+from tests.integration.workflow import (
+    BIN,
+    Background,
+    generate_process,
+    part_rows,
+    progress_of,
+    run_workflow,
+    workflow_config,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.slurm]
 
@@ -32,14 +40,6 @@ def claims_of(out, worker: int) -> list[str]:
         ):
             held.append(record["shard"])
     return held
-
-
-def progress_of(out, shard: str) -> dict:
-    """What the shard's running attempt last reported (rows done, its Slurm job), or nothing yet."""
-    try:
-        return json.loads((out / "checkpoints" / shard / "progress.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def test_a_worker_killed_mid_shard_is_taken_over_after_the_lease_and_its_rows_resumed(tmp_path, slurm_cluster):

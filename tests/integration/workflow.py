@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -230,6 +231,15 @@ class Background:
         if rc != 0:
             raise _failure(self.workdir, rc, text, "")
         return text
+
+
+def progress_of(out: Path, shard: str) -> dict[str, Any]:
+    """What the shard's running attempt last reported (``progress.json``: rows done and saved, its Slurm
+    job), or nothing yet."""
+    try:
+        return json.loads((out / "checkpoints" / shard / "progress.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def part_rows(checkpoint_dir: Path) -> int:
