@@ -1,6 +1,7 @@
 # shardgen: dataset -> shards -> one vLLM job per shard -> merged dataset.
 # This file only wires; the work is done by the `shardgen` package.
 import sys
+from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
@@ -27,6 +28,12 @@ if not workflow.overwrite_configfiles:
     configfile: "config/config.yaml"
 
 
+# Paths the config gives relative to its file (function.path) are made absolute; with no
+# config file (a module's config), relative to the working directory.
+shardgen_config.resolve_paths(
+    config,
+    Path(workflow.configfiles[-1]).parent if workflow.configfiles else Path.cwd(),
+)
 # A credential anywhere in the config stops the run before any message could quote it.
 trust.check_credentials(config)
 try:

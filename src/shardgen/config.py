@@ -82,6 +82,9 @@ BEFORE_CORE: list[Check] = []
 AFTER_CORE: list[Check] = []
 # Every task kind, by its name (``tasks.KINDS``).
 TASKS: dict[str, Any] = {}
+# Paths in a config relative to the config file (a feature's, e.g. ``function.path``): each resolver makes
+# those it knows absolute, given the config file's directory (``resolve_paths``).
+PATH_RESOLVERS: list[Callable[[dict[str, Any], Path], None]] = []
 
 
 def register_run_mode(key: str, check: Check, warnings: Callable[[dict[str, Any]], list[str]]) -> None:
@@ -94,6 +97,18 @@ def register_check(check: Check, before_core: bool = False) -> None:
 
 def register_tasks(kinds: Mapping[str, Any]) -> None:
     TASKS.update(kinds)
+
+
+def register_path_resolver(resolve: Callable[[dict[str, Any], Path], None]) -> None:
+    PATH_RESOLVERS.append(resolve)
+
+
+def resolve_paths(config: dict[str, Any], base: str | Path) -> dict[str, Any]:
+    """The config's paths that are relative to its file made absolute (``base``: the file's directory),
+    before it is validated; an absolute path stays as it is."""
+    for resolve in PATH_RESOLVERS:
+        resolve(config, Path(base).resolve())
+    return config
 
 
 @cache
@@ -178,11 +193,19 @@ def check_consistency(config: dict[str, Any]) -> None:
         if config.get(key):
             check_mode(config)  # each of its runs' configs, checked as a run's
             return
-    model, sampling, prompt = config["model"], config.get("sampling", {}), config["prompt"]
-    output = config["output"]
     for check in BEFORE_CORE:
         check(config)
-    task_kind(config).check_config(config)
+    kind = task_kind(config)
+    if kind.uses_engine and "model" not in config:
+        raise ConfigError(f"model: task {config['task']} runs a model: set model.model (a function: task: function)")
+    if kind.uses_engine and config.get("function"):
+        raise ConfigError(f"function is set, but task is {config['task']}: a function runs as task: function")
+    kind.check_config(config)
+    if not kind.uses_engine:  # no model: the task's own keys only (its check_config)
+        check_output_dir(config["output"]["dir"])
+        return
+    model, sampling, prompt = config["model"], config.get("sampling", {}), config["prompt"]
+    output = config["output"]
     if config["input"].get("sampling_column") and not task_kind(config).generates:
         raise ConfigError(f"input.sampling_column sets sampling per row: for task generate, not {config['task']}")
     check_lora(config)
@@ -363,9 +386,10 @@ def warnings(config: dict[str, Any]) -> list[str]:
         )
     if sampling.get("n", 1) > 1 and sampling.get("temperature") == 0:
         out.append(f"sampling.n is {sampling['n']} with temperature 0 (greedy): every sample of a row will be the same")
-    for item in trust.unsafe_engine_args(config["model"]):
+    model = config.get("model") or {}
+    for item in trust.unsafe_engine_args(model):
         out.append(f"model.allow_unsafe_engine_args is true and this config uses it: {item}")
-    if config["model"].get("trust_remote_code"):
+    if model.get("trust_remote_code"):
         out.append(
             "model.trust_remote_code is true: Python code shipped with the model "
             f"'{config['model']['model']}' runs in every job. Use it only for models you trust."
@@ -383,7 +407,7 @@ def load(path: str | Path) -> dict[str, Any]:
         ConfigError: naming the key, or the file when it was changed.
     """
     path = Path(path)
-    config = trust.read_mapping(path, "the config")
+    config = resolve_paths(trust.read_mapping(path, "the config"), path.parent)
     if path.parent.name == CONFIG_DIR and _DIGEST_NAME.fullmatch(path.name) and digest(config) != path.stem:
         raise ConfigError(
             f"the run's config '{path}' was changed after the run wrote it (its content no longer matches its "
@@ -450,7 +474,12 @@ def plan_digest(config: Mapping[str, Any], signature: list[list[Any]]) -> str:
 
 def content_config(config: dict[str, Any], engine: str | None = None) -> dict[str, Any]:
     """The part of the config that decides the generated text (or pooled values), with the vLLM
-    version ``engine`` (default: the one the jobs run, ``engine_version``)."""
+    version ``engine`` (default: the one the jobs run, ``engine_version``). A task without a model (a
+    Python function) is its input and its own part (``content``) only."""
+    kind = task_kind(config)
+    if not kind.uses_engine:
+        input_ = {k: v for k, v in config["input"].items() if k != "allow_empty"}
+        return {"input": without_later_defaults("input", input_), **kind.content(config)}
     model = {k: v for k, v in config["model"].items() if k not in RUNTIME_MODEL_KEYS}
     out = {
         "input": without_later_defaults("input", {k: v for k, v in config["input"].items() if k != "allow_empty"}),
@@ -622,7 +651,7 @@ class ModelConfig(Arguments):
     @property
     def gpus(self) -> int:
         """GPUs one engine needs: tensor × pipeline parallel size."""
-        return self._data["tensor_parallel_size"] * self._data["pipeline_parallel_size"]
+        return self._data.get("tensor_parallel_size", 1) * self._data.get("pipeline_parallel_size", 1)
 
     @property
     def trust_remote_code(self) -> bool:
@@ -712,7 +741,7 @@ class RunConfig:
             input=_section(InputConfig, raw["input"]),
             shards=_section(ShardsConfig, raw["shards"]),
             prompt=_section(PromptConfig, raw["prompt"]),
-            model=ModelConfig(raw["model"]),
+            model=ModelConfig(raw.get("model") or {}),  # none for a task without a model
             sampling=SamplingConfig(raw["sampling"]),
             output=_section(OutputConfig, raw["output"]),
             resources=_section(ResourcesConfig, raw["resources"]),
@@ -748,9 +777,15 @@ class RunConfig:
         return self.resources.cpus_per_task or max(8, 4 + 2 * self.gpus_per_node)
 
     @property
+    def gpus(self) -> int:
+        """GPUs a job's engine needs (``ModelConfig.gpus``); none for a task without a model."""
+        return self.model.gpus if self.kind.uses_engine else 0
+
+    @property
     def gpus_per_node(self) -> int:
-        """GPUs a generate job asks for on each of its ``resources.nodes`` nodes."""
-        return self.model.gpus // self.resources.nodes
+        """GPUs a generate job asks for on each of its ``resources.nodes`` nodes (none for a task
+        without a model)."""
+        return self.gpus // self.resources.nodes
 
     @functools.cached_property
     def fingerprint(self) -> str:

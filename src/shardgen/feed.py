@@ -465,6 +465,7 @@ class ShardWork:
     # an elastic worker's piece: an idle worker may ask for the rows it has not read
     split: Split | None = None
     narrow: Callable[[int], None] = lambda stop: None  # the shard now ends at ``stop`` (a split's cut)
+    schema: Any = None  # the rows' (a pyarrow.Schema)
 
 
 class ShardFeed:

@@ -327,6 +327,10 @@ def main_fetch(config: RunConfig, output_path: str | Path) -> int:
     """Resolve (and if need be download) the model; write the record as JSON; print one line. On the
     CUDA build, also install FlashInfer's precompiled kernels if they are missing (``kernels.py``)."""
 
+    if not config.kind.uses_engine:  # a Python function: nothing to fetch; the record says so
+        atomic_write_text(output_path, json.dumps({"source": None, "path": None, "task": config.task}) + "\n")
+        print(f"task {config.task}: no model to fetch")
+        return 0
     resolved = resolve_model(config.model, allow_download=True, adapters=config.lora.adapters)
     atomic_write_text(output_path, json.dumps(resolved, indent=1, sort_keys=True) + "\n")
     print(describe(resolved))

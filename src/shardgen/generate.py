@@ -66,7 +66,7 @@ class ShardJob:
     config: RunConfig
     shard: Shard
     source: Source
-    renderer: PromptRenderer
+    renderer: PromptRenderer | None  # None for a task without a model
     ckpt: ShardCheckpoint
     done: set[int]
     attempts: list[records.Attempt]  # the earlier attempts, from attempts.jsonl
@@ -97,7 +97,7 @@ class ShardJob:
             TooManyErrors: the saved rows already hold too many errors.
         """
         removed_env = jobenv.enter()  # done by the command already; in process (tests, benchmarks) here
-        if model_record is None:
+        if model_record is None and config.kind.uses_engine:
             model_record = fetch.resolve_model(config.model, allow_download=False, adapters=config.lora.adapters)
         manifest = Manifest.load(manifest_path)
         run_splits = splits.of_run(config)
@@ -130,11 +130,11 @@ class ShardJob:
             raise
         for warning in warnings(config.raw):
             log.warning(warning)
-        renderer = PromptRenderer.from_config(config.prompt)
+        renderer = PromptRenderer.from_config(config.prompt) if config.kind.uses_engine else None
         splitter = None
         if run_splits is not None and guard is not None:
             splitter = splits.Splitter(run_splits, plan_shard, shard, guard, answer=config.shards.split_seconds > 0)
-        return cls(config, shard, source, renderer, ckpt, done, attempts, attempt, fingerprint, model_record,
+        return cls(config, shard, source, renderer, ckpt, done, attempts, attempt, fingerprint, model_record or {},
                    budget, head, removed_env, splitter)  # fmt: skip
 
     @property
@@ -155,7 +155,7 @@ class ShardJob:
         split = self.splitter if self.splitter is not None and self.splitter.answer else None  # split_seconds 0: none
         return ShardWork(self.shard.id, self.shard.rows, len(self.done), rows, self.renderer, self.ckpt,
                          self.config.checkpoint, self.config.prompt.order, self.budget, self.progress,
-                         split, self.narrow)  # fmt: skip
+                         split, self.narrow, self.source.schema)  # fmt: skip
 
     def narrow(self, stop: int) -> None:
         """The shard now ends at ``stop``: the holder split it there (``splits.Splitter.decide``)."""
@@ -212,7 +212,7 @@ class ShardJob:
 class AttemptRun:
     """What phases 2 and 3 of an attempt produced, for the commit."""
 
-    settings: EngineSettings
+    settings: EngineSettings | None  # None for a task without an engine (``Task.uses_engine``)
     counters: AttemptCounters = field(default_factory=AttemptCounters)
     engine_seconds: float = 0.0
     generation_seconds: float = 0.0
@@ -307,7 +307,18 @@ def run_shard(
 def _run(job: ShardJob, context: JobContext, counters: AttemptCounters) -> AttemptRun:
     """Phases 2 and 3: the engine for this job's GPUs, then the feed of the remaining rows.
 
-    ``context`` holds the job's engine and stop flag (``run_shard`` fills in its defaults)."""
+    ``context`` holds the job's engine and stop flag (``run_shard`` fills in its defaults). A task without
+    an engine (a Python function) runs the rows itself (``Task.run_rows``)."""
+    if not job.config.kind.uses_engine:
+        run = AttemptRun(None, counters)
+        t1 = time.time()
+        try:
+            run.feed = make_task(job.config, None, None).run_rows(job.work(), context.stop, counters)
+        finally:
+            run.generation_seconds = time.time() - t1
+        if context.stop():
+            raise Interrupted(context.stop.signal, job.shard.id)
+        return run
     log_start = jobinfo.own_log_size()  # what this attempt writes to the job's log comes after
     failures = memory.failures_of(job.attempts)
     settings = EngineSettings.for_job(job.config, job.model_record, failures)

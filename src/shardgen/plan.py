@@ -201,12 +201,19 @@ def check_columns(config: RunConfig, schema: Any, where: str, head: Any = None) 
     Raises:
         InputError: naming the column and where it is.
     """
-    renderer = PromptRenderer.from_config(config.prompt)
-    prompt_key = "prompt.messages_column" if renderer.messages_column else "prompt.template"
+    renderer = _renderer(config)
+    prompt_key = "prompt.messages_column" if renderer and renderer.messages_column else "prompt.template"
     keyed = {"input.id_column": config.input.id_column, "input.sampling_column": config.input.sampling_column,
              "lora.column": config.lora.column}  # fmt: skip
     keyed |= {f"prompt.images[{i}]": c for i, c in enumerate(config.prompt.images)}
-    check_input_columns(schema, renderer.columns, keyed, result_spec(config, head).names, prompt_key, where)
+    check_input_columns(
+        schema, renderer.columns if renderer else set(), keyed, result_spec(config, head).names, prompt_key, where
+    )
+
+
+def _renderer(config: RunConfig) -> PromptRenderer | None:
+    """The run's prompt renderer; None for a task without a model, which has no prompt."""
+    return PromptRenderer.from_config(config.prompt) if config.kind.uses_engine else None
 
 
 def build_manifest(config: RunConfig) -> dict[str, Any]:
@@ -220,7 +227,7 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
         if getattr(config.input, key, None):
             return planner(config)
     source = open_source(config.input, config.kind.pairs)
-    renderer = PromptRenderer.from_config(config.prompt)
+    renderer = _renderer(config)
     check_columns(config, source.schema, source.describe())
     for check in INPUT_CHECKS:
         check(config, source)
@@ -232,7 +239,7 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
     per_shard, total = config.shards.rows_per_shard, source.num_rows
     works: list[float] | None = None
     curve: WorkCurve | RowCurve = RowCurve(total)
-    if config.shards.balance == "tokens" and total:
+    if config.shards.balance == "tokens" and total and renderer is not None:
         blocks = source.byte_blocks(sorted(renderer.columns))
         cuts, curve = balanced_cuts(total, per_shard, blocks, config.sampling.max_tokens * config.sampling.n)
     else:

@@ -308,6 +308,9 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     if config.input.id_column and not config.input.openai_batch:  # planning checked every custom_id once;
         problems += check_ids(source, manifest, config.input.id_column)  # a score request's pairs share it
 
+    if not config.kind.uses_engine:
+        return _run_without_engine(config, manifest, source, problems, notes)
+
     # The model: local files, a tokenizer, a precision this build runs, a context that fits.
     record = record or resolve_model(model_cfg, allow_download=False, adapters=config.lora.adapters)
     model_dir = Path(record["path"])
@@ -431,6 +434,27 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     return report
 
 
+def _run_without_engine(
+    config: RunConfig, manifest: Manifest, source: Any, problems: list[str], notes: list[str]
+) -> dict[str, Any]:
+    """The preflight of a task without a model (a Python function): its columns, and the task itself
+    on sampled rows (a later step's rows do not exist yet: ``Task.check_rows`` makes one of their types)."""
+    try:
+        check_columns(config, source.schema, source.describe())
+    except InputError as e:
+        problems.append(str(e))
+    sample = [] if config.input.step is not None else sample_rows(source, manifest, config.preflight.sample_rows)
+    more_problems, more_notes = config.kind.check_rows(config, sample, source.schema)
+    problems += more_problems
+    notes += more_notes
+    if problems:
+        listed = "\n  - ".join(problems)
+        raise PreflightError(f"preflight found {len(problems)} problem(s); no job was submitted:\n  - {listed}")
+    rows, shards = manifest.total_rows, len(manifest.shards)
+    return {"ok": True, "problems": [], "warnings": notes, "task": config.task, "sampled_rows": max(len(sample), 1),
+            "estimate": {"rows": rows, "shards": shards, "gpus_per_job": 0, "gpu_hours_at_most": 0.0}}  # fmt: skip
+
+
 def estimate(
     config: RunConfig, manifest: Manifest, lengths: list[int], outputs: list[int] | None = None
 ) -> dict[str, Any]:
@@ -467,6 +491,10 @@ def estimate(
 
 def report_text(report: dict[str, Any]) -> str:
     e = report["estimate"]
+    if "vllm_build" not in report:  # a task without a model
+        lines = [f"preflight: ok (task {report['task']}, run on {report['sampled_rows']} sampled row(s))",
+                 f"  rows {e['rows']} in {e['shards']} shards, no GPU"]  # fmt: skip
+        return "\n".join(lines + [f"  warning: {w}" for w in report["warnings"]])
     lines = [
         f"preflight: ok ({report['sampled_rows']} sampled rows; "
         f"vLLM {report['vllm_version']}, {report['vllm_build']} build)",

@@ -259,6 +259,8 @@ def shard_record(
         node: this node's name (``multinode.node_name``).
     """
     settings = run.settings
+    if settings is None:  # a task without an engine (a Python function): no model, no GPU
+        return _engineless_record(job, run, table, history)
     stats = shard_stats(
         job.shard,
         table,
@@ -304,6 +306,20 @@ def shard_record(
         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
         thread_env_removed=job.removed_env,
     )
+    return stats
+
+
+def _engineless_record(job: Any, run: Any, table: pa.Table, history: list[records.Attempt]) -> dict[str, Any]:
+    """``shard_record`` of a task that runs no engine: its figures (no tokens, no GPU), what decided its
+    content, its attempts and where the last ran."""
+    stats = shard_stats(job.shard, table, len(job.done), run.counters, 0.0, run.generation_seconds,
+                        time.time() - job.started, 0, None, job.config.task)  # fmt: skip
+    slurm = job.attempt.slurm
+    stats.update(fingerprint=job.fingerprint, config_fingerprint=job.config.fingerprint, feed=run.feed,
+                 checkpoints_discarded=job.ckpt.discarded, attempts=[a.as_dict() for a in history],
+                 peak_rss_mib=jobinfo.peak_rss_mib(), host=job.attempt.host, nodes=1,
+                 node_names=[job.attempt.host], slurm=slurm, queue_wait_seconds=slurm.get("queue_wait_seconds"),
+                 thread_env_removed=job.removed_env)  # fmt: skip
     return stats
 
 

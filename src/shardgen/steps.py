@@ -53,7 +53,7 @@ from shardgen.sandbox import BoundedSandbox, RenderBudget, TemplateTimeout
 from shardgen.sources import Segment, Source
 
 # What a step may set; each replaces the top-level section of its name.
-STEP_SECTIONS = ("task", "model", "prompt", "sampling", "pooling", "lora", "resources")
+STEP_SECTIONS = ("task", "model", "function", "prompt", "sampling", "pooling", "lora", "resources")
 # An earlier step's columns that are its own bookkeeping, not passed on (its own output keeps them).
 BOOKKEEPING = ("row_index", "finish_reason", "prompt_tokens", "generated_tokens", "reasoning_tokens", "error", DROPPED)
 OUTPUT_KEY = "output.dir"
@@ -111,7 +111,14 @@ def step_configs(config: Mapping[str, Any]) -> list[dict[str, Any]]:
         for key in STEP_SECTIONS:
             if key in step:
                 c[key] = copy.deepcopy(step[key])
-        if "model" not in c:
+        if "function" in step:  # a Python step (shardgen.functions): no model
+            if step.get("task", "function") != "function":
+                raise ConfigError(f"steps[{index}] ({name}): function is for task: function, not {step['task']}")
+            c["task"] = "function"
+            c.pop("model", None)
+        elif c.get("task") == "function":
+            raise ConfigError(f"steps[{index}] ({name}): task: function needs the step's own function section")
+        elif "model" not in c:
             raise ConfigError(f"steps[{index}] ({name}): no model: set model in the step or at the top level")
         c["output"] = {k: v for k, v in c.get("output", {}).items() if k not in ("samples", "choice_probs")}
         c["output"] |= dict(step.get("output") or {}) | {"dir": step_dir(root, name), "format": "parquet"}

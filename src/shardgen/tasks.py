@@ -70,6 +70,8 @@ class Task:
     pairs: ClassVar[bool] = False
     # the keys of `pooling` that are this task's only
     pooling_keys: ClassVar[tuple[str, ...]] = ()
+    # whether its rows go through a vLLM engine (a model); one without runs them itself (``run_rows``)
+    uses_engine: ClassVar[bool] = True
     spec: Columns
 
     @classmethod
@@ -102,6 +104,18 @@ class Task:
 
     def finish(self, row: dict[str, Any], completion: Completion) -> Finished:
         raise NotImplementedError
+
+    # -- A task without an engine (``uses_engine`` false) -------------------------------------------------
+
+    def run_rows(self, work: Any, stop: Any, counters: Any) -> dict[str, Any]:
+        """The shard's remaining rows (``feed.ShardWork``) into its checkpoint, until done or ``stop()``,
+        counted in ``counters`` (``stats.AttemptCounters``); returns what it saw (the stats' ``feed``)."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_rows(cls, config: RunConfig, rows: list[tuple[int, dict[str, Any]]], schema: pa.Schema) -> tuple:
+        """The preflight's check of the task on sample ``rows`` of ``schema``: (problems, notes)."""
+        return [], []
 
 
 # Output keys that change what a shard file holds (its columns), not just the merged file's format.

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import time
+from collections import Counter
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -326,3 +328,106 @@ def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoe
     assert [p["chosen"]["id"] for p in chosen] == [f"r{i:05d}" for i in range(rows)]
     assert all(p["chosen"]["id"] == p["rejected"]["id"] and p["chosen"]["reward"] > p["rejected"]["reward"]
                and p["chosen"]["sample_index"] == best[p["chosen"]["id"]]["sample_index"] for p in chosen)  # fmt: skip
+
+
+VERIFY = """\
+import os
+import signal
+import time
+
+CALLS = {calls!r}
+
+
+def verify(row):
+    key = (row["id"], row["sample_index"])
+    with open(CALLS, "a") as f:  # a line per call: the test counts them
+        f.write(f"{{key[0]}} {{key[1]}}\\n")
+    if key == ("r00001", 0):
+        raise ValueError("cannot verify this one\\nsecond line")
+    if key == ("r00002", 1):
+        time.sleep(60)
+    if key == ("r00003", 2):
+        return {{"keep": "yes", "words": 1}}
+    if key == ("r00004", 3) and not os.path.exists(CALLS + ".killed"):
+        open(CALLS + ".killed", "w").close()
+        time.sleep(1)  # the rows before are saved (checkpoint.rows 1)
+        os.kill(os.getppid(), signal.SIGKILL)  # the job's process dies: Slurm fails the job, Snakemake retries it
+    words = len(row["generation"].split())
+    return {{"keep": words % 2 == 0, "words": words}}
+"""
+
+
+@pytest.mark.slurm
+def test_a_function_step_keeps_the_samples_its_function_returned_true_for_each_once(tmp_path, slurm_cluster):
+    """Draft (four samples per row, the real engine) -> verify (a Python function in a CPU job) ->
+    ``keep_if``, through the Slurm profile. The output is exactly the samples the function returned true
+    for, each once; the function ran once per sample (the one whose call killed its job: twice, the
+    killed job's saved rows not again); a row that raises, one past its timeout and one of a wrong type
+    are those rows' errors. An edited function reruns only its step and the selection; a function file
+    that does not import is refused before any job."""
+    rows = 6
+    write_parquet(tmp_path / "data" / "in.parquet", make_rows(rows))
+    calls = tmp_path / "calls"
+    (tmp_path / "verify.py").write_text(VERIFY.format(calls=str(calls)))
+    config = workflow_config({"parquet": [str(tmp_path / "data" / "in.parquet")], "id_column": "id"},
+                             shards={"rows_per_shard": 3}, checkpoint={"rows": 1},
+                             errors={"max_rate": 0.5})  # fmt: skip
+    config.pop("sampling")
+    function = {"path": "verify.py", "name": "verify", "columns": {"keep": "bool", "words": "int64"},
+                "timeout_seconds": 3, "processes": 1}  # fmt: skip
+    config["steps"] = [
+        {"name": "draft", "sampling": {"n": 4, "seed": 7, "temperature": 1.0, "max_tokens": 8}},
+        {"name": "verify", "function": function, "select": {"keep_if": "keep"},
+         "resources": {"cpus_per_task": 1, "mem_mb": 1000, "runtime": 5}},
+    ]  # fmt: skip
+    out = tmp_path / "results"
+    verify = RunDir(out / "steps" / "verify")
+    text = run_workflow(tmp_path, config, "slurm").stdout
+
+    made = pq.read_table(verify.merged("parquet")).to_pylist()  # every sample, with its function's columns
+    assert sorted((r["id"], r["sample_index"]) for r in made) == [(f"r{i:05d}", s) for i in range(rows)
+                                                                   for s in range(4)]  # fmt: skip
+    by_key = {(r["id"], r["sample_index"]): r for r in made}
+    assert by_key[("r00001", 0)]["error"] == "exception: ValueError: cannot verify this one"
+    assert by_key[("r00002", 1)]["error"].startswith("timeout: ")
+    assert by_key[("r00003", 2)]["error"] == "wrong_type: column 'keep': str 'yes', not bool"
+    bad = {("r00001", 0), ("r00002", 1), ("r00003", 2)}
+    for key, r in by_key.items():
+        if key not in bad:
+            assert r["error"] is None and r["words"] == len(r["generation"].split()), r
+            assert r["keep"] == (r["words"] % 2 == 0)
+    kept = sorted(k for k, r in by_key.items() if r["keep"] is True and r["error"] is None)
+    assert 0 < len(kept) < rows * 4
+    output = pq.read_table(out / "output.parquet").to_pylist()
+    assert [(r["id"], r["sample_index"]) for r in output] == kept, "exactly the samples it returned true for, once"
+
+    lines = [tuple(line.rsplit(" ", 1)) for line in calls.read_text().splitlines()]
+    counted = Counter((i, int(s)) for i, s in lines if i)  # (the preflight's call on a placeholder row has no id)
+    twice = {k for k, n in counted.items() if n > 1}
+    # once per sample: the one whose call killed the job twice, and the next, which the killed job's
+    # worker process may have started as it died (rows in flight when a job dies run again)
+    assert set(counted) == set(by_key) and max(counted.values()) == 2, counted
+    assert ("r00004", 3) in twice and twice <= {("r00004", 3), ("r00005", 0)}, counted
+    killed = json.loads(verify.shard_stats("00001").read_text())
+    # the 7 rows before it (of r00003 and r00004) were saved by the killed job, and not called again
+    assert len(killed["attempts"]) == 2 and killed["rows_resumed"] == 7, killed["attempts"]
+    assert killed["gpus"] == 0 and killed["gpu_hours"] == 0 and killed["feed"]["processes"] == 1
+    stats = json.loads((out / "stats.json").read_text())
+    assert [(s["name"], s["rows"], s["output_rows"], s["errors"]) for s in stats["steps"]] == [
+        ("draft", rows, rows * 4, 0), ("verify", rows * 4, rows * 4, 3)]  # fmt: skip
+    assert stats["output_rows"] == len(kept)
+    provenance = stats["provenance"]["steps"][1]["function"]
+    code = hashlib.sha256((tmp_path / "verify.py").read_bytes()).hexdigest()
+    assert provenance["name"] == "verify" and provenance["code"]["file_sha256"] == code
+    assert "step verify" in text
+
+    (tmp_path / "verify.py").write_text(VERIFY.format(calls=str(calls)) + "\n# edited\n")
+    jobs = dry_run_jobs(tmp_path, config)
+    assert jobs.get("verify_generate_shard") == 2 and "select_output" in jobs, jobs
+    assert not any(j.startswith("draft_") for j in jobs), jobs
+
+    (tmp_path / "verify.py").write_text("def verify(row):\n    return {'keep': True\n")
+    failed = run_workflow(tmp_path, config, "slurm", check=False)
+    said = failed.stdout + failed.stderr
+    assert failed.returncode != 0 and "verify.py, line 2: syntax error" in said, said[-3000:]
+    assert "rule verify_generate_shard" not in said, "no job of the step ran"

@@ -161,7 +161,7 @@ def _command(
 
 
 def _failure(workdir: Path, rc: int, stdout: str, stderr: str) -> AssertionError:
-    logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(workdir.glob("results/logs/**/*.log")))
+    logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(workdir.glob("results/**/logs/**/*.log")))
     return AssertionError(f"snakemake failed ({rc}):\n{stdout[-4000:]}\n{stderr[-6000:]}\n{logs}")
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from shardgen import cluster
+from shardgen import cluster, steps
 from shardgen.config import RunConfig
 from shardgen.preflight import cpu_demo_settings
 from tests.conftest import ROOT
 
 EXAMPLES = ROOT / "config" / "examples"
-# example -> (task, GPUs per node, nodes)
+# example -> (task, GPUs per node, nodes); a run of steps: a list, each step's in order
 EXPECTED = {
     "label-choice-8b-fp8": ("generate", 1, 1),
     "synthetic-samples": ("generate", 1, 1),
@@ -20,6 +20,7 @@ EXPECTED = {
     "embed": ("embed", 1, 1),
     "tp-70b": ("generate", 4, 1),
     "two-node": ("generate", 8, 2),
+    "rejection-sampling": [("generate", 1, 1), ("function", 0, 1)],
 }
 
 
@@ -29,11 +30,18 @@ def test_every_example_is_listed_here():
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_an_example_is_valid_asks_slurm_for_its_gpus_and_has_no_cpu_demo_setting(name):
+    """A run of steps: each step's jobs (a Python step's: CPUs only, its function's file found next to
+    the example, as RunConfig.load resolves function.path against the config file's directory)."""
     config = RunConfig.load(EXAMPLES / f"{name}.yaml")
-    task, gpus, nodes = EXPECTED[name]
-    request = cluster.generate_request(config, None, "generate_shard", config.resources.runtime)
-    assert (config.task, request.gpus, request.nodes) == (task, gpus, nodes)
-    assert cpu_demo_settings(config.model, "cuda") == []
+    runs = [RunConfig.from_dict(c) for c in steps.step_configs(config.raw)] if config.raw.get("steps") else [config]
+    expected = EXPECTED[name] if isinstance(EXPECTED[name], list) else [EXPECTED[name]]
+    asked = []
+    for run in runs:
+        request = cluster.generate_request(run, None, "generate_shard", run.resources.runtime)
+        asked.append((run.task, request.gpus, request.nodes))
+        if run.kind.uses_engine:
+            assert cpu_demo_settings(run.model, "cuda") == []
+    assert asked == expected
 
 
 def test_the_cpu_demos_settings_on_a_gpu_are_a_warning_naming_each_and_the_examples():
@@ -81,7 +89,8 @@ def test_the_gpu_smoke_script_runs_each_example_that_fits_one_gpu_on_an_input_it
 
     script = [sys.executable, str(ROOT / "bench" / "gpu_smoke_examples.py")]
     listed = subprocess.run([*script, "list"], capture_output=True, text=True, check=True).stdout.split()
-    assert listed == sorted(n for n, (_, gpus, nodes) in EXPECTED.items() if (gpus, nodes) == (1, 1))
+    one_gpu = [n for n, e in EXPECTED.items() if isinstance(e, tuple) and e[1:] == (1, 1)]  # no run of steps
+    assert listed == sorted(one_gpu)
     assert "gpu_smoke_examples.py list" in (ROOT / "bench" / "gpu_smoke.sh").read_text()
     for name in listed:
         subprocess.run([*script, "prepare", name, str(tmp_path / name), "12"], check=True)

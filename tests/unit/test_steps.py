@@ -217,6 +217,7 @@ def test_the_steps_recipes_of_the_readmes_are_valid_configs():
             config = yaml.safe_load(block)
             if "steps" in config:
                 config.setdefault("input", {"parquet": ["data/prompts.parquet"]})
+                config = cfg.resolve_paths(config, ROOT)  # a function.path: as in a config at the root
                 assert len(steps.step_configs(cfg.validate(config))) == len(config["steps"]), block
                 found += 1
     assert found >= 4

@@ -31,7 +31,7 @@ MERGED = RUN_DIR.merged(RUN.output.format)
 # config change would, through Snakemake's masking of downstream jobs, hide
 # which shards a change of sampling must rerun.)
 CONFIG_JSON = shardgen_config.write_resolved(config, RUN_DIR.root)
-GPUS = RUN.model.gpus
+GPUS = RUN.gpus
 # A job over several nodes (resources.nodes): shardgen starts the other nodes'
 # part of the engine itself (shardgen.multinode). `mpi` makes the Slurm
 # plugins run the rule's command in the batch step, with the whole

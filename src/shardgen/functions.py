@@ -1,0 +1,546 @@
+"""Python steps (``task: function``): a function named in the config, over each row, in worker processes.
+
+A step with a ``function`` section (or a run with ``task: function``) runs no model: its shard jobs ask
+for CPUs only, and each row of its input (in a run of steps: the rows the step before passed on) goes
+to ``function.name`` of ``function.path`` (a file, relative to the config file) or ``function.module``.
+It returns the row's new columns (``function.columns``, typed), or, with ``function.batch``, a column of
+values per ``pyarrow.RecordBatch`` of rows. Everything else is a step's like any other: the plan, the
+shards, the checkpoints, the exactly-once merge, the stats, ``select``.
+
+Per row: an exception is the row's ``exception`` error (its type and first line), a row past
+``function.timeout_seconds`` its ``timeout`` error (the worker process is killed and replaced: pebble's
+``ProcessPool``), a value of the wrong type or a missing or undeclared column its ``wrong_type`` /
+``missing_column`` / ``undeclared_column`` error naming the column; a worker that dies on a row
+(``os._exit``, a crash) gives ``worker_died``. A batch that fails is run again row by row, so that only
+the rows that fail get an error.
+
+The run's fingerprint holds the digest of the function's file (a module's: its file and its
+distribution's version, ``function_digest``): an edited function reruns its step and those after it,
+nothing before it. The preflight imports the function on the machine the workflow starts on and runs it
+on sample rows (``check_rows``) before any job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import logging
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+import pebble
+import pyarrow as pa
+
+from shardgen import config as cfg
+from shardgen import tasks
+from shardgen.errors import ConfigError, RowError
+from shardgen.feed import PROGRESS_SECONDS, ShardWork
+from shardgen.progress import progress_bar
+from shardgen.results import DROPPED, RESERVED_COLUMNS, Columns
+from shardgen.stats import AttemptCounters
+
+log = logging.getLogger(__name__)
+
+# function.columns: each type's Arrow type (json: the value's JSON text)
+TYPES = {"bool": pa.bool_(), "int64": pa.int64(), "float64": pa.float64(), "string": pa.string(), "json": pa.string()}
+# How often the job looks at its stop flag and its checkpoint while rows run.
+POLL_SECONDS = 0.5
+
+
+# -- The function -------------------------------------------------------------------------------------
+
+
+def describe(spec: Mapping[str, Any]) -> str:
+    """``<file or module>:<name>``, as messages name the function."""
+    return f"{spec.get('path') or spec.get('module')}:{spec['name']}"
+
+
+def _module_file(module: str) -> Path:
+    """The file of ``function.module``, found without running it (its parent packages do run).
+
+    Raises:
+        ConfigError: no such module.
+    """
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"function.module: {module!r} cannot be found: {type(e).__name__}: {e}") from e
+    if found is None or not found.origin or not Path(found.origin).is_file():
+        raise ConfigError(f"function.module: no module {module!r} is importable here (is its package installed?)")
+    return Path(found.origin)
+
+
+def function_digest(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """What identifies the function's code: the SHA-256 of its file, and for ``function.module`` the
+    version of the distribution that installs it (None for a module of no distribution).
+
+    Raises:
+        ConfigError: the file or module is not there.
+    """
+    if spec.get("path"):
+        path = Path(spec["path"])
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"function.path: cannot read {path}: {e.strerror or e}") from e
+        return {"file_sha256": hashlib.sha256(data).hexdigest()}
+    module = spec["module"]
+    data = _module_file(module).read_bytes()
+    top = module.split(".")[0]
+    dists = importlib.metadata.packages_distributions().get(top) or []
+    version = importlib.metadata.version(dists[0]) if dists else None
+    return {"file_sha256": hashlib.sha256(data).hexdigest(), "distribution": dists[0] if dists else None,
+            "version": version}  # fmt: skip
+
+
+def _import_error(e: BaseException, where: str, file: Path | None) -> ConfigError:
+    """A ConfigError for an import that failed, naming the file and line where it failed."""
+    if isinstance(e, SyntaxError):
+        return ConfigError(f"function: {e.filename or where}, line {e.lineno}: syntax error: {e.msg}")
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if file is None or Path(f.filename) == file]
+    at = f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else where
+    return ConfigError(f"function: importing {where} failed at {at}: {type(e).__name__}: {_first_line(e)}")
+
+
+def load_function(spec: Mapping[str, Any]) -> Callable[[Any], Any]:
+    """The function ``spec`` (``function``) names, imported here (its module's code runs).
+
+    Raises:
+        ConfigError: the file is missing or does not import (naming file and line), the name is not
+            defined there, not a function, or does not take one argument.
+    """
+    name = spec["name"]
+    if spec.get("path"):
+        path = Path(spec["path"])
+        if not path.is_file():
+            raise ConfigError(f"function.path: {path} is not a file")
+        module_name = "shardgen_function_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise ConfigError(f"function.path: {path} is not a Python file")
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[module_name] = module  # its functions pickle by reference, like any module's
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as e:
+            sys.modules.pop(module_name, None)
+            raise _import_error(e, str(path), path) from e
+        where = str(path)
+    else:
+        where = spec["module"]
+        try:
+            module = importlib.import_module(where)
+        except Exception as e:
+            raise _import_error(e, where, None) from e
+    fn = getattr(module, name, None)
+    if fn is None:
+        defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
+        raise ConfigError(f"function.name: {where} defines no {name!r} (its functions: {', '.join(defined) or 'none'})")
+    if not callable(fn):
+        raise ConfigError(f"function.name: {name!r} in {where} is a {type(fn).__name__}, not a function")
+    try:
+        signature = inspect.signature(fn)
+        signature.bind(None)
+    except TypeError:
+        line = getattr(getattr(fn, "__code__", None), "co_firstlineno", "?")
+        what = "a pyarrow.RecordBatch" if spec.get("batch") else "a row (a dict of its columns)"
+        raise ConfigError(
+            f"function.name: {name}{signature} ({where}, line {line}) must take one argument, {what}"
+        ) from None
+    except ValueError:  # a builtin without a signature: called as it is
+        pass
+    return fn
+
+
+# -- Values: what a function returns, typed per function.columns ------------------------------------------
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:500] if text else ""
+
+
+def typed_value(column: str, kind: str, value: Any) -> Any:
+    """``value`` as column ``column`` of type ``kind`` holds it (None stays None).
+
+    Raises:
+        RowError: ``wrong_type``, naming the column.
+    """
+    if value is None:
+        return None
+    if hasattr(value, "item") and not isinstance(value, (list, dict, str)):  # a numpy scalar
+        try:
+            value = value.item()
+        except (ValueError, TypeError):
+            pass
+    ok = False
+    if kind == "bool":
+        ok = isinstance(value, bool)
+    elif kind == "int64":
+        ok = isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
+    elif kind == "float64":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif kind == "string":
+        ok = isinstance(value, str)
+    elif kind == "json":
+        try:
+            return json.dumps(value, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise RowError("wrong_type", f"column {column!r}: not a JSON value ({e})") from None
+    if not ok:
+        raise RowError("wrong_type", f"column {column!r}: {type(value).__name__} {value!r:.80}, not {kind}")
+    return value
+
+
+def typed_row(out: Any, columns: Mapping[str, str]) -> dict[str, Any]:
+    """A function's return for one row, as the row's new columns.
+
+    Raises:
+        RowError: not a dict, a declared column missing, an undeclared one, a value of another type.
+    """
+    if not isinstance(out, Mapping):
+        raise RowError("wrong_type", f"returned a {type(out).__name__}, not a dict of the columns {list(columns)}")
+    if missing := [c for c in columns if c not in out]:
+        raise RowError("missing_column", f"returned no {', '.join(map(repr, missing))} (function.columns)")
+    if extra := [str(c) for c in out if c not in columns]:
+        raise RowError("undeclared_column", f"returned {', '.join(map(repr, extra))}, not in function.columns")
+    return {c: typed_value(c, kind, out[c]) for c, kind in columns.items()}
+
+
+def _values(column: Any, n: int, name: str) -> list[Any]:
+    """A batch function's column as a list of ``n`` Python values."""
+    if hasattr(column, "to_pylist"):
+        column = column.to_pylist()
+    elif hasattr(column, "tolist"):
+        column = column.tolist()
+    column = list(column)
+    if len(column) != n:
+        raise ValueError(f"column {name!r} has {len(column)} values for a batch of {n} rows")
+    return column
+
+
+# -- In the worker processes ------------------------------------------------------------------------------
+
+_FUNCTION: Callable[[Any], Any] | None = None
+
+
+def _init_worker(spec: Mapping[str, Any]) -> None:
+    global _FUNCTION
+    _FUNCTION = load_function(spec)
+
+
+def _call(rows: list[dict[str, Any]] | pa.RecordBatch, columns: Mapping[str, str]) -> list[tuple[str | None, Any]]:
+    """In a worker: ``(error, columns)`` for each row, the function called once per row (a list of
+    rows: one) or once for the batch (a RecordBatch: its failure is raised, for the caller to run its
+    rows one by one)."""
+    assert _FUNCTION is not None
+    if isinstance(rows, pa.RecordBatch):
+        out = _FUNCTION(rows)
+        if not isinstance(out, Mapping):
+            raise TypeError(f"returned a {type(out).__name__}, not a dict of columns")
+        values = {str(c): _values(v, rows.num_rows, str(c)) for c, v in out.items()}
+        per_row = [{c: v[i] for c, v in values.items()} for i in range(rows.num_rows)]
+    else:
+        per_row = []
+        for row in rows:
+            try:
+                per_row.append(_FUNCTION(row))
+            except Exception as e:  # noqa: BLE001 - the row's error: its type and first line
+                per_row.append(RowError("exception", f"{type(e).__name__}: {_first_line(e)}"))
+    results: list[tuple[str | None, Any]] = []
+    for out in per_row:
+        try:
+            if isinstance(out, RowError):
+                raise out
+            results.append((None, typed_row(out, columns)))
+        except RowError as e:
+            results.append((str(e), None))
+    return results
+
+
+# -- The task -------------------------------------------------------------------------------------------
+
+
+class FunctionSpec(Columns):
+    """The columns a function step adds: ``row_index``, the function's columns, ``error``."""
+
+    def __init__(self, columns: Mapping[str, str]) -> None:
+        self.columns = dict(columns)
+
+    def fields(self) -> list[pa.Field]:
+        return [pa.field("row_index", pa.int64(), nullable=False),
+                *(pa.field(c, TYPES[k]) for c, k in self.columns.items()), pa.field("error", pa.string())]  # fmt: skip
+
+    def error_rows(self, row: dict[str, Any], index: int, error: str | None, prompt_tokens: int | None = None) -> list:
+        return [{**row, **dict.fromkeys(self.columns), "row_index": index, "error": error}]
+
+    def row(self, row: dict[str, Any], index: int, values: dict[str, Any]) -> dict[str, Any]:
+        return {**row, **values, "row_index": index, "error": None}
+
+
+class FunctionTask(tasks.Task):
+    """``task: function``: ``function`` over every row, in a CPU job of worker processes."""
+
+    name = "function"
+    uses_engine = False
+    spec: FunctionSpec
+
+    @classmethod
+    def check_config(cls, config: dict[str, Any]) -> None:
+        function = config.get("function")
+        if not function:
+            raise ConfigError("task: function needs a function section (function.path or function.module, and name)")
+        reserved = sorted(set(function["columns"]) & {*RESERVED_COLUMNS, DROPPED})
+        if reserved:
+            raise ConfigError(f"function.columns: {reserved} are columns shardgen keeps for itself; rename them")
+        if config.get("shards", {}).get("workers"):
+            raise ConfigError("task: function runs a job per shard: drop shards.workers")
+        function_digest(function)  # its file or module is there
+
+    @classmethod
+    def content(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The function's code (``function_digest``), name, columns and how it is called: not where its
+        file is, nor how many processes run it."""
+        function = config["function"]
+        kept = {k: v for k, v in function.items() if k not in ("path", "processes")}
+        return {"task": cls.name, "function": kept, "code": function_digest(function)}
+
+    @classmethod
+    def columns(cls, config: Any, head: Any = None, choice_token_ids: Sequence[int] | None = None) -> Columns:
+        return FunctionSpec(config.raw["function"]["columns"])
+
+    def __init__(self, config: Any, tokenizer: Any = None, head: Any = None) -> None:
+        self.function = dict(config.raw["function"])
+        self.spec = FunctionSpec(self.function["columns"])
+        self.processes = self.function.get("processes") or len(os.sched_getaffinity(0))
+        self.timeout = float(self.function["timeout_seconds"])
+
+    def run_rows(self, work: ShardWork, stop: Callable[[], bool], counters: AttemptCounters) -> dict[str, Any]:
+        return FunctionFeed(self, work, stop, counters).run()
+
+    @classmethod
+    def check_rows(cls, config: Any, rows: list[tuple[int, dict[str, Any]]], schema: pa.Schema) -> tuple[list, list]:
+        return check_rows(config.raw["function"], rows, schema)
+
+
+def check_rows(
+    spec: Mapping[str, Any], rows: list[tuple[int, dict[str, Any]]], schema: pa.Schema
+) -> tuple[list[str], list[str]]:
+    """The preflight of a function: it imports (``load_function``) and, called on ``rows`` (a sample of
+    the input; for a later step, whose rows do not exist yet, one made of its columns' types), returns
+    the declared columns with their types. Returns the problems (a function that cannot run) and notes
+    (a sample row it raised on, which only that row would suffer)."""
+    try:
+        fn = load_function(spec)
+    except ConfigError as e:
+        return [str(e)], []
+    if not rows:
+        rows = [(0, placeholder_row(schema))]
+    problems: list[str] = []
+    notes: list[str] = []
+    columns = spec["columns"]
+    for index, row in rows:
+        row = {k: v for k, v in row.items() if k != DROPPED}
+        try:
+            if spec.get("batch"):
+                out = fn(pa.RecordBatch.from_pylist([row], schema=_without_dropped(schema)))
+                out = {c: _values(v, 1, c)[0] for c, v in out.items()} if isinstance(out, Mapping) else out
+            else:
+                out = fn(row)
+        except Exception as e:  # noqa: BLE001 - that row's error in a job
+            notes.append(f"function {describe(spec)} raised on row {index}: {type(e).__name__}: {_first_line(e)} "
+                         "(in the run, that row's error)")  # fmt: skip
+            continue
+        try:
+            typed_row(out, columns)
+        except RowError as e:
+            problems.append(f"function {describe(spec)}: on row {index} it {e.args[0]} [{e.reason}]; fix the "
+                            "function or function.columns")  # fmt: skip
+            break
+    return problems, notes
+
+
+def _without_dropped(schema: pa.Schema) -> pa.Schema:
+    return pa.schema([f for f in schema if f.name != DROPPED])
+
+
+def placeholder_row(schema: pa.Schema) -> dict[str, Any]:
+    """A row of ``schema`` with a value of each column's type (an empty text, 0, false, an empty list):
+    what a preflight can call a later step's function on before the step before made its rows."""
+
+    def value(t: pa.DataType) -> Any:
+        if pa.types.is_string(t) or pa.types.is_large_string(t):
+            return ""
+        if pa.types.is_boolean(t):
+            return False
+        if pa.types.is_integer(t):
+            return 0
+        if pa.types.is_floating(t):
+            return 0.0
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            return []
+        if pa.types.is_struct(t):
+            return {f.name: value(f.type) for f in t}
+        return None
+
+    return {f.name: value(f.type) for f in _without_dropped(schema)}
+
+
+# -- A shard's rows through the function ----------------------------------------------------------------
+
+
+class FunctionFeed:
+    """One shard's remaining rows through the function in ``task.processes`` worker processes, up to
+    two calls per process in flight, saved as they finish (``checkpoint.rows``/``seconds``), stopped by
+    the job's stop flag after a last save (rows in flight then are the next attempt's)."""
+
+    def __init__(self, task: FunctionTask, work: ShardWork, stop: Callable[[], bool], counters: AttemptCounters):
+        self.task, self.work, self.stop, self.counters = task, work, stop, counters
+        self.batch = bool(task.function.get("batch"))
+        self.batch_rows = int(task.function.get("batch_rows") or 64) if self.batch else 1
+        self.schema = _without_dropped(work.schema) if work.schema is not None else None
+        self._finished: list[dict[str, Any]] = []
+        self._last_flush = self._last_progress = time.time()
+        self._bar = progress_bar(total=work.rows, initial=work.resumed, desc=f"shard {work.shard_id}")
+        self.calls = self.retried_batches = 0
+
+    def run(self) -> dict[str, Any]:
+        """Run every remaining row; returns what the feed saw (the shard stats' ``feed``).
+
+        Raises:
+            TooManyErrors: the shard's errors passed ``errors.max_rate``.
+        """
+        spec, task = self.task.function, self.task
+        context = multiprocessing.get_context("fork")  # the workers start at once, the function loaded by each
+        pool = pebble.ProcessPool(max_workers=task.processes, initializer=_init_worker, initargs=(spec,),
+                                  context=context)  # fmt: skip
+        pending: dict[Future, tuple[list[tuple[int, dict[str, Any]]], float]] = {}
+        rows = iter(self.work.remaining)
+        exhausted = False
+        self._report_progress(time.time())
+        try:
+            while True:
+                while not exhausted and len(pending) < 2 * task.processes and not self.stop():
+                    chunk = self._next_chunk(rows)
+                    exhausted = len(chunk) < self.batch_rows
+                    if chunk:
+                        self._submit(pool, pending, chunk, self.batch)
+                if self.stop() or not pending:
+                    break
+                done, _ = wait(list(pending), timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
+                now = time.time()
+                for future in done:
+                    chunk, submitted = pending.pop(future)
+                    self._done(pool, pending, future, chunk, submitted, now)
+                every = self.work.every
+                if len(self._finished) >= every.rows or now - self._last_flush >= every.seconds:
+                    self._flush(now)
+                if now - self._last_progress >= PROGRESS_SECONDS:
+                    self._report_progress(now)
+        finally:
+            pool.stop()  # the rows still in flight are not saved: the next attempt runs them
+            pool.join(timeout=10)
+            self._flush(time.time())
+            self._report_progress(time.time())
+            self._bar.close()
+        return {"processes": task.processes, "calls": self.calls, "batch_rows": self.batch_rows,
+                "batches_run_again_by_row": self.retried_batches}  # fmt: skip
+
+    def _next_chunk(self, rows: Iterator[tuple[int, dict[str, Any]]]) -> list[tuple[int, dict[str, Any]]]:
+        """Up to ``batch_rows`` rows for the function; a row the step before did not pass on is written
+        as it is (``dropped``) and not called."""
+        chunk = []
+        for index, row in rows:
+            if row.get(DROPPED) is not None:
+                self._finished.extend(self.task.spec.error_rows(row, index, None))
+                self._count_row()
+                continue
+            chunk.append((index, row))
+            if len(chunk) >= self.batch_rows:
+                break
+        return chunk
+
+    def _submit(self, pool: pebble.ProcessPool, pending: dict, chunk: list[tuple[int, dict[str, Any]]], batch: bool):
+        columns = self.task.spec.columns
+        if batch:
+            plain = [{k: v for k, v in row.items() if k != DROPPED} for _, row in chunk]
+            arg: Any = pa.RecordBatch.from_pylist(plain, schema=self.schema)
+        else:
+            ((_, row),) = chunk
+            arg = [{k: v for k, v in row.items() if k != DROPPED}]
+        future = pool.schedule(_call, args=(arg, columns), timeout=self.task.timeout * len(chunk))
+        pending[future] = (chunk, time.time())
+        self.calls += 1
+
+    def _done(self, pool, pending, future: Future, chunk, submitted: float, now: float) -> None:
+        try:
+            results = future.result()
+        except Exception as e:  # noqa: BLE001 - the function's, its timeout, or its process dying
+            if len(chunk) > 1:  # a batch: each of its rows on its own, so only those that fail are errors
+                self.retried_batches += 1
+                for item in chunk:
+                    self._submit(pool, pending, [item], True)
+                return
+            results = [(self._call_error(e), None)]
+        seconds = (now - submitted) / len(chunk)
+        for (index, row), (error, values) in zip(chunk, results, strict=True):
+            if error is not None:
+                self._finished.extend(self.task.spec.error_rows(row, index, error))
+                self.work.budget.add(index, error)
+            else:
+                self._finished.append(self.task.spec.row(row, index, values))
+            self.counters.requests += 1
+            self.counters.latency.add(seconds)
+            self._count_row()
+
+    def _call_error(self, e: BaseException) -> str:
+        name = describe(self.task.function)
+        if isinstance(e, FutureTimeout):
+            return str(RowError("timeout", f"{name} took more than function.timeout_seconds "
+                                           f"({self.task.timeout:g} s); its process was replaced"))  # fmt: skip
+        if isinstance(e, pebble.ProcessExpired):
+            return str(RowError("worker_died", f"{name}: its process ended on this row (exit code {e.exitcode})"))
+        return str(RowError("exception", f"{type(e).__name__}: {_first_line(e)}"))
+
+    def _count_row(self) -> None:
+        self.counters.rows += 1
+        self._bar.update(1)
+
+    def _flush(self, now: float) -> None:
+        self.work.ckpt.flush(self._finished)
+        self._finished.clear()
+        self._last_flush = now
+
+    def _report_progress(self, now: float) -> None:
+        self._last_progress = now
+        work = self.work
+        done = work.resumed + self.counters.rows
+        work.ckpt.write_progress(work.progress(done, work.ckpt.saved_inputs, work.budget.reasons))
+
+
+def resolve_path(config: dict[str, Any], base: Path) -> None:
+    """``function.path`` (top level and in each step) relative to the config file's directory."""
+    for section in [config, *(s for s in config.get("steps") or [] if isinstance(s, dict))]:
+        function = section.get("function") if isinstance(section, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("path"), str):
+            path = Path(os.path.expanduser(function["path"]))
+            function["path"] = str(path if path.is_absolute() else base / path)
+
+
+# task: function is a task like the others (config asks tasks.KINDS); its path is relative to the config file.
+tasks.KINDS[FunctionTask.name] = FunctionTask
+cfg.register_tasks({FunctionTask.name: FunctionTask})
+cfg.register_path_resolver(resolve_path)
