@@ -177,3 +177,54 @@ def pytest_sessionfinish(session, exitstatus):
             "required test categories did not run: " + "; ".join(problems), red=True
         )
         session.exitstatus = 1
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto's server mode, a separate process on a free port) for the
+    session, with the test credentials in this process's environment, which the workflow runs and
+    their Slurm jobs inherit. Yields its endpoint URL."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.time() > deadline or server.poll() is not None:
+                server.kill()
+                pytest.fail(f"moto's S3 server did not start on port {port} in 60 s")
+            time.sleep(0.2)
+    saved = {k: os.environ.get(k) for k in S3_ENV}
+    os.environ.update(S3_ENV)
+    yield f"http://127.0.0.1:{port}"
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.terminate()
+    server.wait(10)
+
+
+# The test server's credentials (moto accepts any), where AWS tools read them.
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+          "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+
+
+def s3_bucket(endpoint: str, name: str) -> Any:
+    """A new bucket on the test server; returns a boto3 client of it (the test's own view of the store)."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket=name)
+    return client

@@ -15,7 +15,7 @@ from shardgen import jobenv, steps, workers
 from shardgen.errors import ShardgenError
 from shardgen.fetch import main_fetch
 from shardgen.io import restrict_umask
-from shardgen.merge import main_merge, push
+from shardgen.merge import main_merge, push, upload
 from shardgen.multinode import main_worker
 from shardgen.plan import write_manifest
 from shardgen.preflight import main_preflight
@@ -54,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--record", help="several shards, or a worker: the job's or the worker's record (JSON)")
     gen.add_argument("--model-record", help="where the fetch step found the model (its JSON record)")
 
+    up = sub.add_parser("upload", help="upload the merged output and its stats to output.upload (s3://)")
+    up.add_argument("--config", required=True)
+    up.add_argument("--dataset", required=True, help="the merged output")
+    up.add_argument("--stats", required=True, help="the merged stats")
+    up.add_argument("--record", required=True, help="where to write what was uploaded (JSON)")
     push = sub.add_parser("push", help="push the merged output to output.push_to_hub (token from HF_TOKEN)")
     push.add_argument("--config", required=True)
     push.add_argument("--dataset", required=True, help="the merged output")
@@ -136,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
                 (shard,) = args.shard
                 return workers.main_shard(config, args.manifest, shard, args.output, args.stats, args.model_record)
             return workers.main_shards(config, args.manifest, args.shard, args.record, args.model_record)
+        if args.command == "upload":
+            record = upload(_load(args.config), args.dataset, args.stats, args.record)
+            print(f"uploaded {len(record['uploaded'])} object(s) to {record['prefix']}; {len(record['skipped'])} "
+                  "unchanged since the last upload", file=sys.stderr)  # fmt: skip
+            return 0
         if args.command == "push":
             record = push(_load(args.config), args.dataset, args.stats, args.record)
             print(f"pushed {record['rows']} rows to {record['repo_id']}", file=sys.stderr)

@@ -57,10 +57,12 @@ RUNTIME_MODEL_KEYS = frozenset(
 )
 # Keys of `shards` that decide how workers share the shards, not the shards.
 RUNTIME_SHARDS_KEYS = frozenset({"split_seconds"})
+# Keys of `input` that decide where the rows are read from, or what an empty input does, not their text.
+RUNTIME_INPUT_KEYS = frozenset({"allow_empty", "storage_options"})
 # Keys added after runs were made with this version's fingerprints: left out of them while at their
 # defaults, so that those runs' shards stay valid (the text they decide is the same).
 LATER_DEFAULTS = {
-    "input": {"sampling_column": None},
+    "input": {"sampling_column": None, "storage_options": {"endpoint_url": None, "region": None, "anonymous": False}},
     "prompt": {"pair_template": None, "images": [], "chat_template_kwargs": {}},
     "model": {"runner": None, "convert": None, "pooler_config": None, "enable_lora": None, "max_lora_rank": None},
 }
@@ -472,17 +474,20 @@ def plan_digest(config: Mapping[str, Any], signature: list[list[Any]]) -> str:
     return digest(parts)
 
 
+def _content_input(config: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config["input"].items() if k not in RUNTIME_INPUT_KEYS}
+
+
 def content_config(config: dict[str, Any], engine: str | None = None) -> dict[str, Any]:
     """The part of the config that decides the generated text (or pooled values), with the vLLM
     version ``engine`` (default: the one the jobs run, ``engine_version``). A task without a model (a
     Python function) is its input and its own part (``content``) only."""
     kind = task_kind(config)
     if not kind.uses_engine:
-        input_ = {k: v for k, v in config["input"].items() if k != "allow_empty"}
-        return {"input": without_later_defaults("input", input_), **kind.content(config)}
+        return {"input": without_later_defaults("input", _content_input(config)), **kind.content(config)}
     model = {k: v for k, v in config["model"].items() if k not in RUNTIME_MODEL_KEYS}
     out = {
-        "input": without_later_defaults("input", {k: v for k, v in config["input"].items() if k != "allow_empty"}),
+        "input": without_later_defaults("input", _content_input(config)),
         # the submission order decides speed, not text
         "prompt": without_later_defaults("prompt", {k: v for k, v in config["prompt"].items() if k != "order"}),
         "model": without_later_defaults("model", model),
@@ -529,6 +534,7 @@ class InputConfig:
     id_column: str | None = None
     sampling_column: str | None = None
     allow_empty: bool = False
+    storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -564,6 +570,7 @@ class OutputConfig:
     world_readable: bool = False
     provenance_paths: bool = False
     push_to_hub: str | None = None
+    upload: str | None = None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from shardgen import cost, formats, heads
+from shardgen import cost, formats, heads, storage
 from shardgen.config import RunConfig, published_sampling
 from shardgen.errors import MergeError
 from shardgen.fetch import load_record
@@ -274,6 +274,28 @@ def push(
     message = f"shardgen output, config fingerprint {fingerprint}"
     info = ds.push_to_hub(repo, private=True, commit_message=message)
     record = {"repo_id": repo, "rows": ds.num_rows, "commit": getattr(info, "oid", None)}
+    atomic_write_text(record_path, json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def upload(config: RunConfig, dataset_path: str | Path, stats_path: str | Path, record_path: str | Path) -> dict:
+    """Upload the merged output (a directory's every file) and its stats to ``output.upload``
+    (``storage.upload``: verified; what the last upload left there unchanged is skipped); the record
+    names each object and what was skipped.
+
+    Raises:
+        StorageError: naming the object.
+    """
+    prefix = config.output.upload
+    dataset = Path(dataset_path)
+    files = [(p, str(Path(dataset.name) / p.relative_to(dataset))) for p in sorted(dataset.rglob("*")) if p.is_file()]
+    if not dataset.is_dir():  # a file, and the provenance beside it where its format keeps it there
+        beside = dataset.with_name(dataset.name + formats.PROVENANCE_SUFFIX)
+        files = [(dataset, dataset.name)] + ([(beside, beside.name)] if beside.exists() else [])
+    files.append((Path(stats_path), Path(stats_path).name))
+    state = RunDir(config.output.dir).upload_state
+    done = storage.upload(files, prefix, config.input.storage_options, state)
+    record = {"prefix": prefix, **done}
     atomic_write_text(record_path, json.dumps(record, indent=1) + "\n")
     return record
 

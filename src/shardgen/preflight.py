@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardgen import engine as eng
-from shardgen import heads, jobenv, lora, reasoning, rowsampling
+from shardgen import heads, jobenv, lora, reasoning, rowsampling, storage
 from shardgen.config import RunConfig, engine_version, warnings
 from shardgen.errors import InputError, RowError, ShardgenError
 from shardgen.feed import RowInputs
@@ -305,6 +305,8 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     later_step = config.input.step is not None
     if not later_step:
         source.check_unchanged()
+    if config.output.upload and (why := storage.check_writable(config.output.upload, config.input.storage_options)):
+        problems.append(why)
     if config.input.id_column and not config.input.openai_batch:  # planning checked every custom_id once;
         problems += check_ids(source, manifest, config.input.id_column)  # a score request's pairs share it
 

@@ -18,7 +18,7 @@ rather than formatting paths, and every command that reads or writes the directo
     splits/<shard>.<row>.cut      a shard of elastic workers split at a row (splits); pieces
                                   <shard>-<row> have the files of a shard of that name
     logs/<rule>/<key>.log         the rules' logs; logs/stopped.json: why the last run stopped
-    stats.json, output.*          the merge's stats and dataset; pushed.json, plots/
+    stats.json, output.*          the merge's stats and dataset; pushed.json, uploaded.json, plots/
     .shardgen-run.lock            the run that holds the directory (runlock)
 """
 
@@ -144,6 +144,16 @@ class RunDir:
     @property
     def pushed(self) -> Path:
         return self.root / "pushed.json"
+
+    @property
+    def uploaded(self) -> Path:
+        """What the last upload (output.upload) uploaded and skipped."""
+        return self.root / "uploaded.json"
+
+    @property
+    def upload_state(self) -> Path:
+        """Each object uploaded, with its checksum and ETag: kept across reruns, which skip what it holds."""
+        return self.root / "plan" / "upload-state.json"
 
     @property
     def plots(self) -> Path:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from shardgen import storage
 from shardgen.errors import InputError
 
 if TYPE_CHECKING:
@@ -32,11 +33,12 @@ BATCH_ROWS = 1024
 class ParquetFileInfo:
     """What planning records of one Parquet file, and what a job checks again."""
 
-    path: str
+    path: str  # a local path, or an object's s3:// URL
     size: int
-    mtime_ns: int
+    mtime_ns: int  # (0 for an object: its ETag says whether it changed)
     rows: int
     row_groups: list[int] = field(default_factory=list)
+    etag: str | None = None  # an object's
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,20 @@ class Segment:
 
 def expand_parquet_patterns(patterns: list[str]) -> list[str]:
     return expand_patterns(patterns, "input.parquet")
+
+
+def expand_inputs(patterns: list[str], storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """``input.parquet``: local paths and ``s3://`` URLs (each with globs), in config order."""
+    out: list[str] = []
+    for pattern in patterns:
+        if storage.is_url(pattern):
+            out += storage.expand([pattern], storage_options, "input.parquet")
+        else:
+            out += expand_parquet_patterns([pattern])
+    if len(set(out)) < len(out):
+        twice = next(p for p in out if out.count(p) > 1)
+        raise InputError(f"input.parquet: '{twice}' is listed twice; its rows would be processed twice")
+    return out
 
 
 def expand_patterns(patterns: list[str], key: str) -> list[str]:
@@ -80,8 +96,10 @@ def expand_patterns(patterns: list[str], key: str) -> list[str]:
     return files
 
 
-def _parquet_file(path: str) -> pq.ParquetFile:
+def _parquet_file(path: str, options: Mapping[str, Any] | None = None, opened: Any = None) -> pq.ParquetFile:
     try:
+        if storage.is_url(path):  # its footer and row groups are ranged reads
+            return pq.ParquetFile(opened if opened is not None else storage.open_input(path, options))
         return pq.ParquetFile(path)
     except PermissionError as e:
         raise InputError(f"input: cannot read '{path}': permission denied") from e
@@ -89,12 +107,18 @@ def _parquet_file(path: str) -> pq.ParquetFile:
         raise InputError(f"input: '{path}' is not a valid Parquet file ({e})") from e
 
 
-def describe_parquet(path: str) -> tuple[ParquetFileInfo, pa.Schema]:
-    """Read one file's footer: row counts per row group and the schema."""
-    pf = _parquet_file(path)
-    st = os.stat(path)
+def describe_parquet(path: str, options: Mapping[str, Any] | None = None) -> tuple[ParquetFileInfo, pa.Schema]:
+    """Read one file's footer: row counts per row group and the schema (an object's: and its size and
+    ETag, from the HEAD that opened it)."""
+    opened = storage.open_input(path, options) if storage.is_url(path) else None
+    pf = _parquet_file(path, options, opened)
     md = pf.metadata
     groups = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
+    if opened is not None:
+        info = ParquetFileInfo(path, opened.size(), 0, md.num_rows, groups, storage.etag(opened))
+        opened.close()
+        return info, pf.schema_arrow
+    st = os.stat(path)
     return ParquetFileInfo(path, st.st_size, st.st_mtime_ns, md.num_rows, groups), pf.schema_arrow
 
 
@@ -138,15 +162,19 @@ class ParquetSource:
 
     kind = "parquet"
 
-    def __init__(self, files: list[ParquetFileInfo], schema: pa.Schema) -> None:
+    def __init__(
+        self, files: list[ParquetFileInfo], schema: pa.Schema, storage_options: Mapping[str, Any] | None = None
+    ) -> None:
         self.files = files
+        self.storage_options = dict(storage_options or {})  # where s3:// objects are (input.storage_options)
         self.schema = plain_schema(schema, f"'{files[0].path}'" if files else "the input")
         # global index of each file's first row, and the total at the end
         self._offsets = list(itertools.accumulate((f.rows for f in files), initial=0))
 
     @classmethod
-    def scan(cls, patterns: list[str]) -> ParquetSource:
-        """Describe the files the patterns name, from their footers only.
+    def scan(cls, patterns: list[str], storage_options: Mapping[str, Any] | None = None) -> ParquetSource:
+        """Describe the files (and ``s3://`` objects) the patterns name, from their footers only (an
+        object's: ranged reads, several objects at once).
 
         Raises:
             InputError: a file is missing, not Parquet, or its columns differ
@@ -155,8 +183,9 @@ class ParquetSource:
         infos: list[ParquetFileInfo] = []
         schema: pa.Schema | None = None
         first = ""
-        for path in expand_parquet_patterns(patterns):
-            info, file_schema = describe_parquet(path)
+        paths = expand_inputs(patterns, storage_options)
+        described = storage.parallel(lambda p: describe_parquet(p, storage_options), paths)
+        for path, (info, file_schema) in zip(paths, described, strict=True):
             if schema is None:
                 schema, first = file_schema, path
             elif not file_schema.remove_metadata().equals(schema.remove_metadata()):
@@ -165,7 +194,7 @@ class ParquetSource:
                 )
             infos.append(info)
         assert schema is not None
-        return cls(infos, schema.remove_metadata())
+        return cls(infos, schema.remove_metadata(), storage_options)
 
     @property
     def num_rows(self) -> int:
@@ -176,13 +205,15 @@ class ParquetSource:
         return f"input.{self.kind} ({len(self.files)} file(s): {names}{', ...' if len(self.files) > 3 else ''})"
 
     def to_manifest(self) -> dict[str, Any]:
-        return {"kind": self.kind, "files": [asdict(f) for f in self.files]}
+        out = {"kind": self.kind, "files": [asdict(f) for f in self.files]}
+        return out | ({"storage_options": self.storage_options} if self.storage_options else {})
 
     @classmethod
     def from_manifest(cls, entry: dict[str, Any]) -> ParquetSource:
         files = [ParquetFileInfo(**f) for f in entry["files"]]
-        _, schema = describe_parquet(files[0].path)
-        return cls(files, schema.remove_metadata())
+        options = entry.get("storage_options")
+        _, schema = describe_parquet(files[0].path, options)
+        return cls(files, schema.remove_metadata(), options)
 
     def segments(self, start: int, stop: int) -> list[Segment]:
         """Split global rows ``[start, stop)`` into per-file segments (a bisect: planning
@@ -201,6 +232,14 @@ class ParquetSource:
         """Refuse files (these indexes, or all) whose size or modification time changed since planning."""
         for i in sorted(range(len(self.files)) if indexes is None else indexes):
             f = self.files[i]
+            if storage.is_url(f.path):
+                size, etag = storage.head(f.path, self.storage_options)
+                if (size, etag) != (f.size, f.etag):
+                    raise InputError(
+                        f"input: the object '{f.path}' changed after planning (size {f.size} -> {size}, ETag "
+                        f"{f.etag} -> {etag}); rerun the workflow to plan it again"
+                    )
+                continue
             try:
                 st = os.stat(f.path)
             except OSError as e:
@@ -218,7 +257,7 @@ class ParquetSource:
         self.check_unchanged({s.file for s in segments})
         for seg in segments:
             info = self.files[seg.file]
-            pf = _parquet_file(info.path)
+            pf = _parquet_file(info.path, self.storage_options)
             groups, first_row = [], 0
             offset = 0
             for g, n in enumerate(info.row_groups):
@@ -250,7 +289,7 @@ class ParquetSource:
         (every leaf of a nested one), from the files' footers only."""
         wanted = set(columns)
         for info in self.files:
-            md = _parquet_file(info.path).metadata
+            md = _parquet_file(info.path, self.storage_options).metadata
             for g in range(md.num_row_groups):
                 rg = md.row_group(g)
                 size = sum(
@@ -421,7 +460,7 @@ def open_source(input_cfg: InputConfig, pairs: bool = False) -> Source:
     """Open the source that ``input`` in the config names (metadata only for Parquet); ``pairs``: the
     task scores pairs of texts (``tasks.Task.pairs``), which a batch file's requests hold several of."""
     if input_cfg.parquet:
-        return ParquetSource.scan(list(input_cfg.parquet))
+        return ParquetSource.scan(list(input_cfg.parquet), input_cfg.storage_options)
     if (kind := _selected(input_cfg)) is not None and kind.open is not None:
         return kind.open(input_cfg, pairs)
     if input_cfg.hf:
@@ -442,6 +481,8 @@ def input_signature(input_cfg: InputConfig) -> list[list[Any]]:
     kind = _selected(input_cfg)
     if input_cfg.parquet or (kind is not None and kind.files is not None):
         try:
+            if input_cfg.parquet and any(storage.is_url(p) for p in input_cfg.parquet):
+                return _object_signature(list(input_cfg.parquet), input_cfg.storage_options)
             paths = expand_parquet_patterns(list(input_cfg.parquet)) if input_cfg.parquet else kind.files(input_cfg)
         except InputError:
             return []
@@ -453,6 +494,20 @@ def input_signature(input_cfg: InputConfig) -> list[list[Any]]:
     for path in paths:
         st = os.stat(path)
         out.append([path, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _object_signature(patterns: list[str], options: Mapping[str, Any] | None) -> list[list[Any]]:
+    """``input_signature`` of Parquet input with ``s3://`` objects: each object's size and modification
+    time from a listing (a request per pattern, not one per object), each local file's from ``stat``."""
+    out = []
+    for path in expand_inputs(patterns, options):
+        if storage.is_url(path):
+            info = storage.filesystem(options).get_file_info(storage.path_of(path))
+            out.append([path, info.size, info.mtime_ns])
+        else:
+            st = os.stat(path)
+            out.append([path, st.st_size, st.st_mtime_ns])
     return out
 
 

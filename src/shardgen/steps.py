@@ -123,6 +123,7 @@ def step_configs(config: Mapping[str, Any]) -> list[dict[str, Any]]:
         c["output"] = {k: v for k, v in c.get("output", {}).items() if k not in ("samples", "choice_probs")}
         c["output"] |= dict(step.get("output") or {}) | {"dir": step_dir(root, name), "format": "parquet"}
         c["output"].pop("push_to_hub", None)
+        c["output"].pop("upload", None)  # the run's output is uploaded (steps.smk), not each step's
         select = step.get("select")
         if select and "pairs" in select and index < len(steps) - 1:
             raise ConfigError(f"steps[{index}] ({name}).select.pairs: pairs end a run; only the last step's select")

@@ -137,8 +137,9 @@ def _imports_proposer(spec: dict[str, Any]) -> bool:
 
 def secret_message(key: str) -> str:
     return (
-        f"'{key}' would put a credential in the config: the Hugging Face token is read from the "
-        "environment only (HF_TOKEN); remove the key"
+        f"'{key}' would put a credential in the config: credentials are read from the environment only "
+        "(the Hugging Face token: HF_TOKEN; object storage: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+        "AWS_PROFILE or ~/.aws/credentials); remove the key"
     )
 
 

@@ -18,7 +18,7 @@ import pytest
 from shardgen.installed import slurm_plugin_problem
 from shardgen.rundir import RunDir
 from shardgen.steps import DROPPED
-from tests.conftest import ROOT, TEST_MODEL_CFG, make_rows, write_parquet
+from tests.conftest import ROOT, TEST_MODEL_CFG, make_rows, s3_bucket, write_parquet
 from tests.integration.workflow import (
     BIN,
     Background,
@@ -67,22 +67,29 @@ def check_output(workdir, ids: list[str]) -> tuple:
 
 @pytest.mark.slurm
 def test_slurm_profile_submits_a_job_per_shard_without_pausing_retries_a_cancelled_one_alone_and_merges_every_row(
-    tmp_path, slurm_cluster
+    tmp_path, slurm_cluster, s3_server
 ):
+    """The input is two objects in S3-compatible storage (the test server), read in place by the jobs,
+    and the output is uploaded there (output.upload), byte for byte."""
     sizes, files, start = [12, 8], [], 0
+    store = s3_bucket(s3_server, "slurm-in")
+    s3_bucket(s3_server, "slurm-out")
     for i, n in enumerate(sizes):
         files.append(str(write_parquet(tmp_path / "data" / f"part-{i}.parquet", make_rows(n, start))))
+        store.upload_file(files[-1], "slurm-in", f"data/part-{i}.parquet")
         start += n
     # a JSON extraction: every row's answer parses into the typed `parsed` column;
     # compact JSON through an engine setting passed as model.extra
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 24}}, "required": ["answer"]}
     compact = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
     config = workflow_config(
-        {"parquet": [str(tmp_path / "data" / "*.parquet")], "id_column": "id"},
+        {"parquet": ["s3://slurm-in/data/*.parquet"], "id_column": "id",
+         "storage_options": {"endpoint_url": s3_server}},
         shards={"rows_per_shard": 7},
         model={**TEST_MODEL_CFG, "extra": compact},
         sampling={"temperature": 0.0, "max_tokens": 48, "structured_outputs": {"json": schema}},
-    )
+        output={"upload": "s3://slurm-out/run/"},
+    )  # fmt: skip
     # the three jobs go out in one round: no pause between submissions (plugin >= 2.7.1; 2.6.1 pauses
     # 5 s per pair); the node's 2 CPUs run one job at a time, and the first shard's job, cancelled
     # while its engine starts, is the one submitted again
@@ -110,6 +117,15 @@ def test_slurm_profile_submits_a_job_per_shard_without_pausing_retries_a_cancell
     first_round = sorted(datetime.datetime.fromisoformat(a[0]["slurm"]["submit_time"]) for a in attempts)
     assert (first_round[-1] - first_round[0]).total_seconds() < 4, first_round
     assert "output: results/output.parquet" in text
+    # the objects' rows, as the same files on local disk hold them; the output and stats uploaded
+    local = [r for f in files for r in pq.read_table(f).to_pylist()]
+    assert table.select(["id", "topic", "n"]).to_pylist() == local
+    uploaded = json.loads((tmp_path / "results" / "uploaded.json").read_text())
+    assert uploaded["uploaded"] == ["s3://slurm-out/run/output.parquet", "s3://slurm-out/run/stats.json"]
+    for name in ("output.parquet", "stats.json"):
+        body = store.get_object(Bucket="slurm-out", Key=f"run/{name}")["Body"].read()
+        assert body == (tmp_path / "results" / name).read_bytes(), name
+    assert dry_run_jobs(tmp_path, config, "slurm") == {}, "nothing to do again, nothing uploaded again"
 
 
 def test_local_profile_runs_a_dataset_saved_with_save_to_disk_into_a_datasets_directory(tmp_path):
@@ -350,7 +366,7 @@ def verify(row):
         return {{"keep": "yes", "words": 1}}
     if key == ("r00004", 3) and not os.path.exists(CALLS + ".killed"):
         open(CALLS + ".killed", "w").close()
-        time.sleep(1)  # the rows before are saved (checkpoint.rows 1)
+        time.sleep(2)  # the rows before are saved (checkpoint.rows 1)
         os.kill(os.getppid(), signal.SIGKILL)  # the job's process dies: Slurm fails the job, Snakemake retries it
     words = len(row["generation"].split())
     return {{"keep": words % 2 == 0, "words": words}}
@@ -370,7 +386,7 @@ def test_a_function_step_keeps_the_samples_its_function_returned_true_for_each_o
     calls = tmp_path / "calls"
     (tmp_path / "verify.py").write_text(VERIFY.format(calls=str(calls)))
     config = workflow_config({"parquet": [str(tmp_path / "data" / "in.parquet")], "id_column": "id"},
-                             shards={"rows_per_shard": 3}, checkpoint={"rows": 1},
+                             shards={"rows_per_shard": rows}, checkpoint={"rows": 1},
                              errors={"max_rate": 0.5})  # fmt: skip
     config.pop("sampling")
     function = {"path": "verify.py", "name": "verify", "columns": {"keep": "bool", "words": "int64"},
@@ -408,9 +424,9 @@ def test_a_function_step_keeps_the_samples_its_function_returned_true_for_each_o
     # worker process may have started as it died (rows in flight when a job dies run again)
     assert set(counted) == set(by_key) and max(counted.values()) == 2, counted
     assert ("r00004", 3) in twice and twice <= {("r00004", 3), ("r00005", 0)}, counted
-    killed = json.loads(verify.shard_stats("00001").read_text())
-    # the 7 rows before it (of r00003 and r00004) were saved by the killed job, and not called again
-    assert len(killed["attempts"]) == 2 and killed["rows_resumed"] == 7, killed["attempts"]
+    killed = json.loads(verify.shard_stats("00000").read_text())
+    # the 19 rows before it were saved by the killed job, and not called again
+    assert len(killed["attempts"]) == 2 and killed["rows_resumed"] == 19, killed["attempts"]
     assert killed["gpus"] == 0 and killed["gpu_hours"] == 0 and killed["feed"]["processes"] == 1
     stats = json.loads((out / "stats.json").read_text())
     assert [(s["name"], s["rows"], s["output_rows"], s["errors"]) for s in stats["steps"]] == [
@@ -423,7 +439,7 @@ def test_a_function_step_keeps_the_samples_its_function_returned_true_for_each_o
 
     (tmp_path / "verify.py").write_text(VERIFY.format(calls=str(calls)) + "\n# edited\n")
     jobs = dry_run_jobs(tmp_path, config)
-    assert jobs.get("verify_generate_shard") == 2 and "select_output" in jobs, jobs
+    assert jobs.get("verify_generate_shard") == 1 and "select_output" in jobs, jobs
     assert not any(j.startswith("draft_") for j in jobs), jobs
 
     (tmp_path / "verify.py").write_text("def verify(row):\n    return {'keep': True\n")

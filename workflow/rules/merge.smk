@@ -47,3 +47,25 @@ rule push_to_hub:
         "shardgen push --config {params.config:q} --dataset {input.dataset:q} --stats {input.stats:q}"
         " --record {output.record:q}"
         " > {log:q} 2>&1"
+
+
+# output.upload: the merged output and its stats to object storage, from the machine the workflow
+# starts on; each object verified; what the last upload left unchanged there is skipped.
+rule upload_output:
+    input:
+        dataset=rules.merge_shards.output.dataset,
+        stats=rules.merge_shards.output.stats,
+    output:
+        record=RUN_DIR.uploaded,
+    log:
+        RUN_DIR.log("upload_output"),
+    localrule: True
+    conda:
+        "../envs/light.yaml"
+    params:
+        config=run_config,
+        # uploaded again (what changed) when the prefix changes
+        upload=RUN.output.upload,
+    shell:
+        "shardgen upload --config {params.config:q} --dataset {input.dataset:q} --stats {input.stats:q}"
+        " --record {output.record:q} > {log:q} 2>&1"

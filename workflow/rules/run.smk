@@ -24,6 +24,7 @@ OUTPUTS = [
     rules.merge_shards.output,
     rules.plot_stats.output,
     rules.push_to_hub.output if RUN.output.push_to_hub else [],
+    rules.upload_output.output if RUN.output.upload else [],
 ]
 
 

@@ -53,9 +53,30 @@ rule select_output:
         " --stats {output.stats:q} > {log:q} 2>&1"
 
 
+# output.upload: the run's output and stats to object storage (shardgen.merge.upload)
+rule upload_output:
+    input:
+        dataset=rules.select_output.output.dataset,
+        stats=rules.select_output.output.stats,
+    output:
+        record=RUN_DIR.uploaded,
+    log:
+        RUN_DIR.log("upload_output"),
+    localrule: True
+    conda:
+        "../envs/light.yaml"
+    params:
+        config=lambda wildcards, output: CONFIG_JSON,
+        upload=config["output"].get("upload"),
+    shell:
+        "shardgen upload --config {params.config:q} --dataset {input.dataset:q} --stats {input.stats:q}"
+        " --record {output.record:q} > {log:q} 2>&1"
+
+
 # What the run makes (the Snakefile's rule all): its output, and each step's plots for the report
 OUTPUTS = [
     rules.select_output.output,
+    rules.upload_output.output if config["output"].get("upload") else [],
     *(getattr(rules, f"{c['step']['name']}_plot_stats").output for c in STEPS),
 ]
 

@@ -1,0 +1,178 @@
+"""Object storage against a real S3-compatible server (moto's server mode, a separate process: the
+``s3_server`` fixture): ``s3://`` input planned from footers and read by row group as the same files on
+local disk are, an object rewritten after planning refused naming it, the errors that name the object
+or key, and ``output.upload`` verified and skipped when nothing changed. (Through the Slurm profile:
+tests/integration/test_workflow.py, the Slurm profile test.)"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from shardgen import storage
+from shardgen.config import RunConfig
+from shardgen.errors import ConfigError, InputError
+from shardgen.merge import upload
+from shardgen.plan import Manifest, build_manifest
+from shardgen.storage import StorageError
+from tests.conftest import make_rows, s3_bucket, write_parquet
+
+pytestmark = pytest.mark.usefixtures("s3_server")
+
+
+def parquet_bytes(rows: list[dict]) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf, row_group_size=7)
+    return buf.getvalue()
+
+
+def config(tmp_path, parquet: list[str], endpoint: str, **output) -> RunConfig:
+    return RunConfig.from_dict({
+        "input": {"parquet": parquet, "storage_options": {"endpoint_url": endpoint}},
+        "shards": {"rows_per_shard": 10}, "prompt": {"template": "{{ topic }}"}, "model": {"model": "m"},
+        "output": {"dir": str(tmp_path / "results"), **output},
+    })  # fmt: skip
+
+
+def test_s3_objects_plan_and_read_as_the_same_files_on_local_disk_do(tmp_path, s3_server):
+    client = s3_bucket(s3_server, "plan-read")
+    local = []
+    for i, n in enumerate((13, 9, 21)):
+        rows = make_rows(n, start=100 * i)
+        local.append(str(write_parquet(tmp_path / "local" / f"part-{i}.parquet", rows)))
+        client.put_object(Bucket="plan-read", Key=f"data/part-{i}.parquet", Body=parquet_bytes(rows))
+    client.put_object(Bucket="plan-read", Key="data/sub/other.parquet", Body=parquet_bytes(make_rows(2)))
+    remote = config(tmp_path, ["s3://plan-read/data/*.parquet"], s3_server)  # one level: not data/sub/
+    on_disk = config(tmp_path, local, s3_server)
+    plan, plan_local = build_manifest(remote), build_manifest(on_disk)
+    assert [(s["start"], s["stop"], s["segments"]) for s in plan["shards"]] == [
+        (s["start"], s["stop"], s["segments"]) for s in plan_local["shards"]]  # fmt: skip
+    files = plan["source"]["files"]
+    assert [f["path"] for f in files] == [f"s3://plan-read/data/part-{i}.parquet" for i in range(3)]
+    assert all(f["etag"] and f["size"] > 0 for f in files)
+    (tmp_path / "results" / "plan").mkdir(parents=True)
+    (tmp_path / "results" / "plan" / "manifest.json").write_text(json.dumps(plan))
+    source = Manifest.load(tmp_path / "results" / "plan" / "manifest.json").source()
+    got = [r for s in Manifest.load(tmp_path / "results" / "plan" / "manifest.json").shards
+           for b in source.read(s.segments) for r in b.to_pylist()]  # fmt: skip
+    assert got == [r for p in local for r in pq.read_table(p).to_pylist()]
+    assert build_manifest(config(tmp_path, ["s3://plan-read/data/**.parquet"], s3_server))["total_rows"] == 45
+
+    # rewritten between planning and a job: refused, naming the object
+    client.put_object(Bucket="plan-read", Key="data/part-1.parquet", Body=parquet_bytes(make_rows(9, start=7)))
+    with pytest.raises(InputError, match=r"the object 's3://plan-read/data/part-1.parquet' changed after planning"):
+        list(source.read(Manifest.load(tmp_path / "results" / "plan" / "manifest.json").shards[1].segments))
+
+
+def test_a_missing_object_a_glob_of_none_and_a_wrong_endpoint_are_named(tmp_path, s3_server, monkeypatch):
+    monkeypatch.setattr(storage, "MAX_ATTEMPTS", 2)  # (6 take 8 to 25 s against a closed port)
+    s3_bucket(s3_server, "named")
+    with pytest.raises(InputError, match=r"input.parquet: no such object: 's3://named/nope.parquet'"):
+        build_manifest(config(tmp_path, ["s3://named/nope.parquet"], s3_server))
+    with pytest.raises(InputError, match=r"the pattern 's3://named/x/\*.parquet' matches no object"):
+        build_manifest(config(tmp_path, ["s3://named/x/*.parquet"], s3_server))
+    with pytest.raises(InputError, match=r"cannot list 's3://named/a.parquet'.*the endpoint http://127.0.0.1:9"):
+        build_manifest(config(tmp_path, ["s3://named/a.parquet"], "http://127.0.0.1:9"))
+
+
+def test_credentials_in_storage_options_are_refused_naming_the_key(tmp_path, s3_server):
+    raw = {"input": {"parquet": ["s3://b/x.parquet"], "storage_options": {"endpoint_url": s3_server}},
+           "prompt": {"template": "{{ topic }}"}, "model": {"model": "m"}}  # fmt: skip
+    raw["input"]["storage_options"]["aws_secret_access_key"] = "abc"
+    with pytest.raises(ConfigError, match=r"input.storage_options.aws_secret_access_key"):
+        from shardgen import trust
+
+        trust.check_credentials(raw)
+        RunConfig.from_dict(raw)
+
+
+def test_the_upload_verifies_each_object_and_a_rerun_that_changed_nothing_uploads_nothing(tmp_path, s3_server):
+    client = s3_bucket(s3_server, "uploads")
+    run = config(tmp_path, ["x.parquet"], s3_server, upload="s3://uploads/runs/a/")
+    out = tmp_path / "results"
+    (out / "plan").mkdir(parents=True)
+    dataset = out / "output.parquet"
+    pq.write_table(pa.Table.from_pylist(make_rows(50)), dataset)
+    stats = out / "stats.json"
+    stats.write_text(json.dumps({"rows": 50}))
+    first = upload(run, dataset, stats, out / "uploaded.json")
+    assert first["uploaded"] == ["s3://uploads/runs/a/output.parquet", "s3://uploads/runs/a/stats.json"]
+    body = client.get_object(Bucket="uploads", Key="runs/a/output.parquet")["Body"].read()
+    assert body == dataset.read_bytes()
+    again = upload(run, dataset, stats, out / "uploaded.json")
+    assert again["uploaded"] == [] and len(again["skipped"]) == 2
+    stats.write_text(json.dumps({"rows": 50, "more": 1}))
+    assert upload(run, dataset, stats, out / "uploaded.json")["uploaded"] == ["s3://uploads/runs/a/stats.json"]
+    client.delete_object(Bucket="uploads", Key="runs/a/output.parquet")  # gone there: uploaded again
+    assert upload(run, dataset, stats, out / "uploaded.json")["uploaded"] == ["s3://uploads/runs/a/output.parquet"]
+
+    nowhere = config(tmp_path, ["x.parquet"], s3_server, upload="s3://no-such-bucket/runs/")
+    assert "cannot write under 's3://no-such-bucket/runs/'" in storage.check_writable(
+        nowhere.output.upload, nowhere.input.storage_options)  # fmt: skip
+    with pytest.raises(StorageError, match=r"cannot write 's3://no-such-bucket/runs/output.parquet'"):
+        upload(nowhere, dataset, stats, out / "uploaded.json")
+    assert storage.check_writable(run.output.upload, run.input.storage_options) is None
+
+
+def test_an_upload_cut_off_leaves_no_part_of_the_file_under_its_name_and_the_rerun_uploads_it(
+    tmp_path, s3_server, monkeypatch
+):
+    client = s3_bucket(s3_server, "cut-off")
+    run = config(tmp_path, ["x.parquet"], s3_server, upload="s3://cut-off/run")
+    (tmp_path / "results" / "plan").mkdir(parents=True)
+    big = tmp_path / "results" / "output.parquet"
+    big.write_bytes(bytes(range(256)) * (24 << 12))  # 24 MiB: parts of it go up before the cut
+    stats = tmp_path / "results" / "stats.json"
+    stats.write_text("{}")
+    real_open = open
+
+    class Cut:
+        """The local file, read until a Ctrl-C arrives after its first 16 MiB."""
+
+        def __init__(self, *args):
+            self.f, self.reads = real_open(*args), 0
+
+        def read(self, n):
+            self.reads += 1
+            if self.reads == 3:
+                raise KeyboardInterrupt
+            return self.f.read(n)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    opened = []
+
+    def cut(path, mode="r"):  # the second open of the file: the upload's, after its checksum's
+        opened.append(path)
+        return Cut(path, mode) if opened.count(big) == 2 else real_open(path, mode)
+
+    monkeypatch.setattr(storage, "open", cut, raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        upload(run, big, stats, tmp_path / "results" / "uploaded.json")
+    assert opened.count(big) == 2, "cut off while uploading"
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="cut-off").get("Contents", [])]
+    assert "run/output.parquet" not in keys, "no part of it under its name"  # (pyarrow may leave "run/")
+    monkeypatch.undo()
+    assert upload(run, big, stats, tmp_path / "results" / "uploaded.json")["uploaded"] == [
+        "s3://cut-off/run/output.parquet", "s3://cut-off/run/stats.json"]  # fmt: skip
+    assert client.get_object(Bucket="cut-off", Key="run/output.parquet")["Body"].read() == big.read_bytes()
+
+
+def test_the_input_signature_of_objects_changes_when_one_is_rewritten_so_the_run_plans_again(tmp_path, s3_server):
+    from shardgen.sources import input_signature
+
+    client = s3_bucket(s3_server, "signed")
+    client.put_object(Bucket="signed", Key="a.parquet", Body=parquet_bytes(make_rows(3)))
+    run = config(tmp_path, ["s3://signed/*.parquet"], s3_server)
+    before = input_signature(run.input)
+    assert [p for p, *_ in before] == ["s3://signed/a.parquet"]
+    client.put_object(Bucket="signed", Key="a.parquet", Body=parquet_bytes(make_rows(5)))
+    assert input_signature(run.input) != before
