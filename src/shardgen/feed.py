@@ -468,7 +468,49 @@ class ShardWork:
     schema: Any = None  # the rows' (a pyarrow.Schema)
 
 
-class ShardFeed:
+class ShardLoop:
+    """What a loop over one shard's rows keeps besides its work (``ShardFeed``, and a task's own,
+    ``Task.run_rows``): the finished output rows not saved yet, saved every ``checkpoint.rows`` rows or
+    ``checkpoint.seconds`` seconds (``_tick``), the shard's progress.json and progress bar; ``_end``
+    saves and reports what is left, however the loop ends."""
+
+    def __init__(self, work: ShardWork, counters: AttemptCounters) -> None:
+        self.work, self.counters = work, counters
+        self._finished: list[dict[str, Any]] = []
+        self._last_flush = self._last_progress = time.time()
+        self._bar = progress_bar(total=work.rows, initial=work.resumed, desc=f"shard {work.shard_id}")
+
+    def _count_row(self, tokens: int = 0) -> None:
+        """An input row of the shard is done (its output rows are in ``_finished``)."""
+        self.counters.rows += 1
+        self._bar.update(1, tokens=tokens)
+
+    def _tick(self, now: float) -> None:
+        """Save, and rewrite progress.json, when it is time."""
+        every = self.work.every
+        if len(self._finished) >= every.rows or now - self._last_flush >= every.seconds:
+            self._flush(now)
+        if now - self._last_progress >= PROGRESS_SECONDS:
+            self._report_progress(now)
+
+    def _end(self) -> None:
+        self._flush(time.time())
+        self._report_progress(time.time())  # what is saved now, for shardgen status
+        self._bar.close()
+
+    def _flush(self, now: float) -> None:
+        self.work.ckpt.flush(self._finished)
+        self._finished.clear()
+        self._last_flush = now
+
+    def _report_progress(self, now: float) -> None:
+        self._last_progress = now
+        work = self.work
+        done = work.resumed + self.counters.rows
+        work.ckpt.write_progress(work.progress(done, work.ckpt.saved_inputs, work.budget.reasons))
+
+
+class ShardFeed(ShardLoop):
     """The rows of one shard that are still to do, through the engine, into checkpoint parts.
 
     Args:
@@ -493,14 +535,11 @@ class ShardFeed:
         window: int | None = None,
         inputs: RowInputs | None = None,
     ) -> None:
-        self.work, self.task, self.tokenizer, self.stop = work, task, tokenizer, stop
+        super().__init__(work, counters)
+        self.task, self.tokenizer, self.stop = task, tokenizer, stop
         self.inputs = inputs
         self.feeder = Feeder(llm, window)
-        self.counters = counters
         self.order = work.order
-        self._finished: list[dict[str, Any]] = []
-        self._last_flush = self._last_progress = time.time()
-        self._bar = progress_bar(total=work.rows, initial=work.resumed, desc=f"shard {work.shard_id}")
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -526,7 +565,6 @@ class ShardFeed:
         window = self._order_window if self.order == "prefix" else None
         requests = prepared_requests(work.remaining, work.renderer, self.tokenizer, self.task, self._row_error,
                                      window, self.inputs, batch_rows)  # fmt: skip
-        every = work.every
         self._report_progress(time.time())
         try:
             for c in self.feeder.run(requests, should_stop=self._poll):
@@ -534,15 +572,9 @@ class ShardFeed:
                     self._row_error(c.key, c.row, c.error, c.prompt_tokens)
                 else:
                     self._completed(c)
-                now = time.time()
-                if len(self._finished) >= every.rows or now - self._last_flush >= every.seconds:
-                    self._flush(now)
-                if now - self._last_progress >= PROGRESS_SECONDS:
-                    self._report_progress(now)
+                self._tick(time.time())
         finally:
-            self._flush(time.time())
-            self._report_progress(time.time())  # what is saved now, for shardgen status
-            self._bar.close()
+            self._end()
 
     def _order_window(self) -> int:
         """prompt.order: prefix: the requests to sort now (``order_window``: for a piece a split may cut,
@@ -575,7 +607,6 @@ class ShardFeed:
         finished = self.task.finish(c.row, c)
         self._finished.extend(finished.rows)
         n = self.counters
-        n.rows += 1
         n.requests += 1
         n.prompt_tokens += c.prompt_tokens
         n.cached_tokens += c.cached_tokens
@@ -584,7 +615,7 @@ class ShardFeed:
                             (n.ttft_scheduled, c.ttft_scheduled_s)):  # fmt: skip
             if value is not None:
                 hist.add(value)
-        self._bar.update(1, tokens=finished.generated_tokens)
+        self._count_row(finished.generated_tokens)
         if finished.error is not None:
             self.work.budget.add(c.key, finished.error)
 
@@ -594,16 +625,4 @@ class ShardFeed:
         else:
             self._finished.extend(self.task.spec.error_rows(row, index, str(error), prompt_tokens))
             self.work.budget.add(index, str(error))
-        self.counters.rows += 1
-        self._bar.update(1)
-
-    def _flush(self, now: float) -> None:
-        self.work.ckpt.flush(self._finished)
-        self._finished.clear()
-        self._last_flush = now
-
-    def _report_progress(self, now: float) -> None:
-        self._last_progress = now
-        work = self.work
-        done = work.resumed + self.counters.rows
-        work.ckpt.write_progress(work.progress(done, work.ckpt.saved_inputs, work.budget.reasons))
+        self._count_row()

@@ -46,8 +46,7 @@ import pyarrow as pa
 from shardgen import config as cfg
 from shardgen import tasks
 from shardgen.errors import ConfigError, RowError
-from shardgen.feed import PROGRESS_SECONDS, ShardWork
-from shardgen.progress import progress_bar
+from shardgen.feed import ShardLoop, ShardWork
 from shardgen.results import DROPPED, RESERVED_COLUMNS, Columns
 from shardgen.stats import AttemptCounters
 
@@ -402,19 +401,17 @@ def placeholder_row(schema: pa.Schema) -> dict[str, Any]:
 # -- A shard's rows through the function ----------------------------------------------------------------
 
 
-class FunctionFeed:
+class FunctionFeed(ShardLoop):
     """One shard's remaining rows through the function in ``task.processes`` worker processes, up to
     two calls per process in flight, saved as they finish (``checkpoint.rows``/``seconds``), stopped by
     the job's stop flag after a last save (rows in flight then are the next attempt's)."""
 
     def __init__(self, task: FunctionTask, work: ShardWork, stop: Callable[[], bool], counters: AttemptCounters):
-        self.task, self.work, self.stop, self.counters = task, work, stop, counters
+        super().__init__(work, counters)
+        self.task, self.stop = task, stop
         self.batch = bool(task.function.get("batch"))
         self.batch_rows = int(task.function.get("batch_rows") or 64) if self.batch else 1
         self.schema = _without_dropped(work.schema) if work.schema is not None else None
-        self._finished: list[dict[str, Any]] = []
-        self._last_flush = self._last_progress = time.time()
-        self._bar = progress_bar(total=work.rows, initial=work.resumed, desc=f"shard {work.shard_id}")
         self.calls = self.retried_batches = 0
 
     def run(self) -> dict[str, Any]:
@@ -445,17 +442,11 @@ class FunctionFeed:
                 for future in done:
                     chunk, submitted = pending.pop(future)
                     self._done(pool, pending, future, chunk, submitted, now)
-                every = self.work.every
-                if len(self._finished) >= every.rows or now - self._last_flush >= every.seconds:
-                    self._flush(now)
-                if now - self._last_progress >= PROGRESS_SECONDS:
-                    self._report_progress(now)
+                self._tick(now)
         finally:
             pool.stop()  # the rows still in flight are not saved: the next attempt runs them
             pool.join(timeout=10)
-            self._flush(time.time())
-            self._report_progress(time.time())
-            self._bar.close()
+            self._end()
         return {"processes": task.processes, "calls": self.calls, "batch_rows": self.batch_rows,
                 "batches_run_again_by_row": self.retried_batches}  # fmt: skip
 
@@ -514,21 +505,6 @@ class FunctionFeed:
         if isinstance(e, pebble.ProcessExpired):
             return str(RowError("worker_died", f"{name}: its process ended on this row (exit code {e.exitcode})"))
         return str(RowError("exception", f"{type(e).__name__}: {_first_line(e)}"))
-
-    def _count_row(self) -> None:
-        self.counters.rows += 1
-        self._bar.update(1)
-
-    def _flush(self, now: float) -> None:
-        self.work.ckpt.flush(self._finished)
-        self._finished.clear()
-        self._last_flush = now
-
-    def _report_progress(self, now: float) -> None:
-        self._last_progress = now
-        work = self.work
-        done = work.resumed + self.counters.rows
-        work.ckpt.write_progress(work.progress(done, work.ckpt.saved_inputs, work.budget.reasons))
 
 
 def resolve_path(config: dict[str, Any], base: Path) -> None:
