@@ -200,8 +200,6 @@ def check_consistency(config: dict[str, Any]) -> None:
     kind = task_kind(config)
     if kind.uses_engine and "model" not in config:
         raise ConfigError(f"model: task {config['task']} runs a model: set model.model (a function: task: function)")
-    if kind.uses_engine and config.get("function"):
-        raise ConfigError(f"function is set, but task is {config['task']}: a function runs as task: function")
     kind.check_config(config)
     if not kind.uses_engine:  # no model: the task's own keys only (its check_config)
         check_output_dir(config["output"]["dir"])

@@ -321,6 +321,13 @@ class FunctionTask(tasks.Task):
     def columns(cls, config: Any, head: Any = None, choice_token_ids: Sequence[int] | None = None) -> Columns:
         return FunctionSpec(config.raw["function"]["columns"])
 
+    @classmethod
+    def provenance(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The function: its name, columns and call settings, its code's digest, its file or module."""
+        content, function = cls.content(config), config["function"]
+        return {"function": {**content["function"], "code": content["code"], "path": function.get("path"),
+                             "module": function.get("module")}}  # fmt: skip
+
     def __init__(self, config: Any, tokenizer: Any = None, head: Any = None) -> None:
         self.function = dict(config.raw["function"])
         self.spec = FunctionSpec(self.function["columns"])
@@ -507,6 +514,16 @@ class FunctionFeed(ShardLoop):
         return str(RowError("exception", f"{type(e).__name__}: {_first_line(e)}"))
 
 
+def check_task(config: dict[str, Any]) -> None:
+    """A ``function`` section belongs to ``task: function``.
+
+    Raises:
+        ConfigError: it is set with another task.
+    """
+    if config.get("function") and config.get("task") != FunctionTask.name:
+        raise ConfigError(f"function is set, but task is {config.get('task')}: a function runs as task: function")
+
+
 def resolve_path(config: dict[str, Any], base: Path) -> None:
     """``function.path`` (top level and in each step) relative to the config file's directory."""
     for section in [config, *(s for s in config.get("steps") or [] if isinstance(s, dict))]:
@@ -520,3 +537,4 @@ def resolve_path(config: dict[str, Any], base: Path) -> None:
 tasks.KINDS[FunctionTask.name] = FunctionTask
 cfg.register_tasks({FunctionTask.name: FunctionTask})
 cfg.register_path_resolver(resolve_path)
+cfg.register_check(check_task)

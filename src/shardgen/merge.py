@@ -154,16 +154,13 @@ def provenance(config: RunConfig, first: dict[str, Any], run: RunTotals, config_
         "pooling": dict(config.raw["pooling"]) if not config.kind.generates else None,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
-    if not config.kind.uses_engine:  # a Python function: its code's digest, where it is, how it was called
-        content = config.kind.content(config.raw)
-        function = config.raw["function"]
-        prov.update(model=None, pooling=None,
-                    function={**content["function"], "code": content["code"],
-                              "path": function.get("path"), "module": function.get("module")})  # fmt: skip
-        if not config.output.provenance_paths:
-            prov["function"]["path"] = _no_paths(function.get("path"))
+    extra: tuple[str, ...] = ()
+    if not config.kind.uses_engine:  # no model: what the task ran instead (a Python function's code)
+        own = config.kind.provenance(config.raw)
+        prov.update(model=None, pooling=None, **own)
+        extra = tuple(own)
     if not config.output.provenance_paths:  # the fields that hold paths; sampling values are the user's text
-        prov.update({k: _no_paths(prov[k]) for k in ("model", "engine_args", "lora_adapters")})
+        prov.update({k: _no_paths(prov[k]) for k in ("model", "engine_args", "lora_adapters", *extra)})
     return prov
 
 

@@ -113,6 +113,12 @@ class Task:
         raise NotImplementedError
 
     @classmethod
+    def provenance(cls, config: Mapping[str, Any]) -> dict[str, Any]:
+        """A task without an engine: what the output's provenance names instead of a model (paths in it
+        are shortened unless ``output.provenance_paths``)."""
+        return {}
+
+    @classmethod
     def check_rows(cls, config: RunConfig, rows: list[tuple[int, dict[str, Any]]], schema: pa.Schema) -> tuple:
         """The preflight's check of the task on sample ``rows`` of ``schema``: (problems, notes)."""
         return [], []
