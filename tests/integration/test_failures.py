@@ -190,19 +190,22 @@ def test_a_time_limit_and_a_scancel_each_save_the_finished_rows_and_the_retries_
     """SIGTERM reaches shardgen under Slurm, from the time limit and from scancel, and what it saves
     is what the next attempt resumes; each attempt gets runtime × its number; a retry never writes
     beside the attempt it replaces."""
-    # 25-55 s from job start to the first row here (S; about 35-70 s on an AVX2-only machine). Attempt 1
-    # (2 minutes; Slurm enforces the limit within about 30 s) generates for 120 - S to 150 - S s: it
-    # must save rows and not finish, so more than 125 s of rows. Attempt 2 (4 minutes) is cancelled once
-    # it has generated rows of its own; attempt 3 (6 minutes) generates for 290 s or more and finishes.
-    # So the shard is 170 s of rows at this machine's speed (a fixed count and 1-minute attempts failed
-    # on a slower machine: 222 of 300 rows done at 1.26 rows/s when the third attempt ran out). A job
-    # here ran at JOB_SPEED times the session engine's speed. Slurm signals every process of the job,
-    # vLLM's engine core included.
-    rows = round(170 * JOB_SPEED * rows_per_s)
+    # 25-55 s from job start to the first row here (about 35-70 s on an AVX2-only machine): a
+    # 1-minute limit could end attempt 1 before its first row. So attempt 1 asks 2 minutes (the
+    # runtime), and once it has generated rows its limit is lowered to 1 minute (``scontrol update``,
+    # as an operator may): Slurm ends it at the next of its checks (every 30 s) after the job's first
+    # minute, the same TIMEOUT, SIGTERM and KillWait as a limit reached unaided; the limit its attempt
+    # recorded at start stays 2 minutes. It generates for at most 90 - 25 s, so the shard is 95 s of rows
+    # at this machine's speed (JOB_SPEED × the session engine's). Attempt 2 (4 minutes) is cancelled
+    # once it has generated rows of its own; attempt 3 (6 minutes) finishes. Slurm signals every
+    # process of the job, vLLM's engine core included.
+    rows = round(95 * JOB_SPEED * rows_per_s)
     print(f"session engine: {rows_per_s:.2f} rows/s; the shard: {rows} rows")
     config = one_shard_run(tmp_path, rows, checkpoint=NO_PERIODIC_SAVES)
     config["resources"]["runtime"] = 2
     run = Background(tmp_path, config, "slurm")
+    run.wait_until(lambda: progress(tmp_path).get("done", 0) >= 4, 600, "rows of the first attempt")
+    subprocess.run(["scontrol", "update", f"JobId={progress(tmp_path)['job_id']}", "TimeLimit=1"], check=True)
     run.wait_until(lambda: progress(tmp_path).get("attempt") == 2, 600, "the second attempt")
     resumed = progress(tmp_path)["saved"]
     run.wait_until(lambda: progress(tmp_path).get("done", 0) >= resumed + 4, 300, "rows of the second attempt")

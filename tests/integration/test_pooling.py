@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 
 import pyarrow as pa
@@ -17,7 +18,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import MODEL, ROOT, make_rows, write_parquet
-from tests.integration.workflow import Background, generate_process, part_rows, run_workflow, workflow_config
+from tests.integration.workflow import (
+    Background,
+    controller_job,
+    generate_process,
+    part_rows,
+    run_workflow,
+    workflow_config,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -136,8 +144,10 @@ def flaky_scontrol(bin_dir) -> str:
 def test_a_cross_encoder_scores_each_pair_through_slurm(tmp_path, slurm_cluster, monkeypatch):
     """From an OpenAI batch file of vLLM's score and rerank requests (one text with several, N with N,
     a rerank's top_n) to vLLM's score and rerank responses, a line per request (the Parquet output's
-    score column is checked from the shard, which every format is merged from). Slurm's status
-    queries fail every other check meanwhile, and the run still sees its job end."""
+    score column is checked from the shard, which every format is merged from). The controller runs
+    as a Slurm job (profiles/slurm/controller.sbatch, for clusters that forbid long processes on
+    login nodes) and submits the generate job from inside it; Slurm's status queries fail every other
+    check meanwhile, and the run still sees its job end."""
     from vllm.entrypoints.pooling.scoring.protocol import RerankResponse, ScoreResponse
 
     items = [f"Item {i} is about {TOPICS[i % 8]}." for i in range(6)]
@@ -154,11 +164,15 @@ def test_a_cross_encoder_scores_each_pair_through_slurm(tmp_path, slurm_cluster,
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
     rows = 6 + 6 + 4 + 3 + 1 + 1  # a row per pair, one per request that is not valid
-    config = pooling_run(tmp_path, "score", REWARD, rows, output={"format": "openai_batch"}, errors={"max_rate": 0.2})
+    # the controller job holds one of the node's 2 CPUs
+    config = pooling_run(tmp_path, "score", REWARD, rows, output={"format": "openai_batch"}, errors={"max_rate": 0.2},
+                         resources={"mem_mb": 4000, "cpus_per_task": 1, "runtime": 10})  # fmt: skip
     config["input"], _ = {"openai_batch": [str(tmp_path / "data" / "in.jsonl")]}, config.pop("prompt")
     monkeypatch.setenv("PATH", flaky_scontrol(tmp_path / "bin"))
-    log = run_workflow(tmp_path, config, "slurm").stderr
+    controller, log = controller_job(tmp_path, config)
     assert "Falling back to 'sacct'" in log and "status query failed" in log, "a status check failed"
+    generate = re.findall(r"submitted with SLURM jobid (\d+)", log)
+    assert len(generate) == 1 and generate[0] != controller, log[-3000:]
 
     out = tmp_path / "results" / "openai"
     ok, failed = ([json.loads(x) for x in (out / n).read_text().splitlines()] for n in ("output.jsonl", "errors.jsonl"))

@@ -3,15 +3,13 @@ submitted, and a job left pending for a reason that never resolves stops the run
 
 from __future__ import annotations
 
-import re
 import subprocess
 import time
 
-import pyarrow.parquet as pq
 import pytest
 
 from shardgen import runstop
-from shardgen.cluster import FINAL_STATES, PendingWatcher
+from shardgen.cluster import PendingWatcher
 from shardgen.rundir import RunDir
 from tests.conftest import make_rows, write_parquet
 from tests.integration.workflow import BIN, Background, run_workflow, slurm_jobs, workflow_config
@@ -92,36 +90,3 @@ def test_a_run_whose_job_can_never_start_stops_and_cancels_it_instead_of_waiting
     status = subprocess.run([str(BIN / "shardgen"), "status", "--dir", "results"], cwd=tmp_path, capture_output=True,
                             text=True).stdout  # fmt: skip
     assert f"stopped at {record['stopped']}: Slurm job {next(iter(jobs))} " in status, status
-
-
-def test_the_controller_runs_as_a_slurm_job_and_submits_the_generate_jobs_from_inside_it(tmp_path, slurm_cluster):
-    """For clusters that forbid long processes on login nodes: profiles/slurm/controller.sbatch runs
-    the controller as a small Slurm job, which submits the generate job from inside it; the run ends
-    with the merged output, and the controller's log is where the script says."""
-    import yaml
-
-    from tests.conftest import ROOT
-    from tests.integration.workflow import SNAKEMAKE, snakemake_command
-
-    config = one_shard(tmp_path, resources={"mem_mb": 4000, "cpus_per_task": 1, "runtime": 10})
-    configfile = tmp_path / "config.yaml"
-    configfile.write_text(yaml.safe_dump(config))
-    cmd, env = snakemake_command(tmp_path, configfile, "--profile", str(ROOT / "profiles" / "slurm"),
-                                 "--default-resources", "slurm_partition=debug")  # fmt: skip
-    script = ROOT / "profiles" / "slurm" / "controller.sbatch"
-    sbatch = ["sbatch", "--parsable", "--partition=debug", "--time=15", str(script), *cmd[len(SNAKEMAKE) :]]
-    controller = subprocess.run(sbatch, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
-    controller = controller.strip()
-    log = tmp_path / f"shardgen-controller-{controller}.log"
-    deadline = time.time() + 480
-    while (state := slurm_jobs(tmp_path).get(controller, "")) not in FINAL_STATES and time.time() < deadline:
-        time.sleep(2)
-    text = log.read_text() if log.exists() else "(no log)"
-    if state not in FINAL_STATES:
-        subprocess.run(["scancel", controller], check=False)
-        raise AssertionError(f"the controller job {controller} ({state}) did not end within 480 s:\n{text[-5000:]}")
-    assert state == "COMPLETED", f"{state}:\n{text[-5000:]}"
-    assert f"shardgen controller: Slurm job {controller}" in text
-    generate = re.findall(r"submitted with SLURM jobid (\d+)", text)
-    assert len(generate) == 1 and generate[0] != controller, text[-3000:]
-    assert pq.read_table(tmp_path / "results" / "output.parquet").num_rows == 4

@@ -182,6 +182,27 @@ def run_workflow(
     return r
 
 
+def controller_job(workdir: Path, config: dict[str, Any], bound: float = 480) -> tuple[str, str]:
+    """The run as the README's controller job (profiles/slurm/controller.sbatch: the controller is a
+    small Slurm job that submits the generate jobs from inside it), to its end: its Slurm job id and
+    its log. Fails unless it ended COMPLETED within ``bound`` s (then cancelled)."""
+    cmd, env = _command(workdir, config, "slurm", ())
+    script = ROOT / "profiles" / "slurm" / "controller.sbatch"
+    sbatch = ["sbatch", "--parsable", "--partition=debug", "--time=15", str(script), *cmd[len(SNAKEMAKE) :]]
+    job = subprocess.run(sbatch, cwd=workdir, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    log = workdir / f"shardgen-controller-{job}.log"
+    deadline = time.time() + bound
+    while (state := slurm_jobs(workdir).get(job, "")) not in FINAL_STATES and time.time() < deadline:
+        time.sleep(2)
+    text = log.read_text() if log.exists() else "(no log)"
+    if state not in FINAL_STATES:
+        subprocess.run(["scancel", job], check=False)
+        raise AssertionError(f"the controller job {job} ({state}) did not end within {bound:g} s:\n{text[-5000:]}")
+    assert state == "COMPLETED", f"{state}:\n{text[-5000:]}\n{_failure(workdir, 0, '', '')}"
+    assert f"shardgen controller: Slurm job {job}" in text, text[:2000]
+    return job, text
+
+
 def dry_run_jobs(workdir: Path, config: dict[str, Any], profile: str = "local") -> dict[str, int]:
     """The jobs ``snakemake -n`` lists for ``config``, by rule (from its "Job stats" table)."""
     r = run_workflow(workdir, config, profile, "-n")
