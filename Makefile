@@ -72,6 +72,7 @@ bench: setup test-models
 	$(RUN) python bench/throughput.py
 	$(RUN) python bench/feed.py
 	$(RUN) python bench/pooling.py
+	$(RUN) python bench/rollouts.py
 
 clean:
 	rm -rf results .snakemake

@@ -84,6 +84,9 @@ BEFORE_CORE: list[Check] = []
 AFTER_CORE: list[Check] = []
 # Every task kind, by its name (``tasks.KINDS``).
 TASKS: dict[str, Any] = {}
+# A section that makes a task another kind (``rollout``: a generate task whose rows are conversations):
+# key -> {task name: the kind it makes of that task}.
+TASK_SECTIONS: dict[str, dict[str, Any]] = {}
 # Paths in a config relative to the config file (a feature's, e.g. ``function.path``): each resolver makes
 # those it knows absolute, given the config file's directory (``resolve_paths``).
 PATH_RESOLVERS: list[Callable[[dict[str, Any], Path], None]] = []
@@ -99,6 +102,10 @@ def register_check(check: Check, before_core: bool = False) -> None:
 
 def register_tasks(kinds: Mapping[str, Any]) -> None:
     TASKS.update(kinds)
+
+
+def register_task_section(key: str, kinds: Mapping[str, Any]) -> None:
+    TASK_SECTIONS[key] = dict(kinds)
 
 
 def register_path_resolver(resolve: Callable[[dict[str, Any], Path], None]) -> None:
@@ -348,15 +355,22 @@ def check_chat_template_kwargs(prompt: Mapping[str, Any]) -> None:
 
 
 def task_kind(config: Mapping[str, Any]) -> Any:
-    """The kind of a config's task: a ``tasks.Task`` subclass (``tasks.KINDS``, registered in ``TASKS``).
+    """The kind of a config's task: a ``tasks.Task`` subclass (``tasks.KINDS``, registered in ``TASKS``),
+    or the one a section makes of it (``TASK_SECTIONS``).
 
     Raises:
-        ConfigError: no task of that name is registered.
+        ConfigError: no task of that name is registered, or a section is set that is not for it.
     """
     name = config.get("task", "generate")
     if name not in TASKS:
         raise ConfigError(f"task: {name!r} is none of the registered tasks ({', '.join(TASKS) or 'none'})")
-    return TASKS[name]
+    kind = TASKS[name]
+    for key, kinds in TASK_SECTIONS.items():  # a section that makes the task another kind (``rollout``)
+        if config.get(key):
+            if name not in kinds:
+                raise ConfigError(f"{key} is set, but task is {name}: {key} is for task: {', '.join(kinds)}")
+            kind = kinds[name]
+    return kind
 
 
 def check_output_dir(path: str) -> None:
@@ -769,6 +783,12 @@ class RunConfig:
     def kind(self) -> Any:
         """The run's task kind: a ``tasks.Task`` subclass (``tasks.KINDS``)."""
         return task_kind(self.raw)
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables: ``prompt.chat_template_kwargs`` and the task's (a rollout's
+        ``tools``)."""
+        return {**self.prompt.chat_template_kwargs, **self.kind.chat_template_kwargs(self)}
 
     @property
     def cpus_per_job(self) -> int:

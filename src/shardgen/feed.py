@@ -73,6 +73,8 @@ PREPARE_BATCH = 64
 PROGRESS_SECONDS = 5.0
 # prompt.order: prefix sorts no fewer prepared requests than this: one batch.
 ORDER_WINDOW_MIN = PREPARE_BATCH
+# How long the feeder waits on a rollout's tools at a time when the engine has nothing to run.
+TURN_POLL_SECONDS = 0.05
 # A piece a split may cut reads ahead to sort no more rows than it finishes in this time.
 ORDER_WINDOW_SECONDS = 60.0
 
@@ -158,6 +160,8 @@ class Request:
     submitted: float = 0.0  # when it was given to the engine (time.time())
     lora: Any = None  # the row's LoRARequest (lora.Adapters), None for the base model
     image_columns: tuple[str, ...] = ()  # decoded only when the request goes to the engine
+    prompt: Any = field(repr=False, default=None)  # what was rendered: a text, or a conversation's messages
+    turn: int = 0  # a conversation's turn (``Turns``) after its first
 
 
 @dataclass
@@ -259,7 +263,7 @@ def _prepare(batch, renderer, tokenizer, task, on_error, inputs: RowInputs) -> l
         prompts.append(prompt)
         keep.append((index, row, lora))
     out = []
-    for (index, row, lora), ids in zip(keep, tokenizer.encode_batch(prompts), strict=True):
+    for (index, row, lora), prompt, ids in zip(keep, prompts, tokenizer.encode_batch(prompts), strict=True):
         try:
             if isinstance(ids, RowError):
                 raise ids
@@ -267,11 +271,37 @@ def _prepare(batch, renderer, tokenizer, task, on_error, inputs: RowInputs) -> l
         except RowError as e:
             on_error(index, row, e)
             continue
-        out.append(Request(index, ids, params, row, lora=lora, image_columns=inputs.image_columns))
+        out.append(Request(index, ids, params, row, lora=lora, image_columns=inputs.image_columns, prompt=prompt))
     return out
 
 
 # -- The engine's queue ---------------------------------------------------------------------------------
+
+
+class Turns(Protocol):
+    """Rows that come back to the engine: a conversation's next turn is submitted once the tools its
+    last turn called have returned (``rollouts.Rollouts``, made by ``Task.turns``). The feeder asks it
+    between engine steps, and waits on it when nothing else is in flight."""
+
+    def ended(self, req: Request, c: Completion) -> Completion | None:
+        """A turn finished: the row's completion when the row ends with it, None when it goes on."""
+        ...
+
+    def ready(self) -> tuple[list[Request], list[Completion]]:
+        """The next turns whose tools returned, and the rows that ended once theirs did."""
+        ...
+
+    def waiting(self) -> int:
+        """Rows whose tools are running."""
+        ...
+
+    def wait(self, seconds: float) -> None:
+        """Until a tool returns, at most ``seconds``."""
+        ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -286,6 +316,8 @@ class FeedStats:
     steps: int = 0
     max_in_flight: int = 0
     steps_short: int = 0
+    # with turns (a rollout): seconds the engine had nothing to run while tools ran
+    idle_on_tools_s: float = 0.0
 
 
 class Feeder:
@@ -339,7 +371,7 @@ class Feeder:
         for req, prompt in zip(batch, prompts, strict=True):
             # Ids unique to this feed, so an engine shared by several feeds never
             # hands one feed's output to another.
-            request_id = f"{self._feed_id}-{req.key}"
+            request_id = f"{self._feed_id}-{req.key}" + (f".{req.turn}" if req.turn else "")
             req.submitted = time.time()
             try:
                 self._engine.add_request(request_id, prompt, req.params, lora_request=req.lora)
@@ -348,43 +380,70 @@ class Feeder:
                 continue
             yield req, request_id, None
 
-    def run(self, requests: Iterable[Request], should_stop: Callable[[], bool] = lambda: False) -> Iterator[Completion]:
+    def run(
+        self, requests: Iterable[Request], should_stop: Callable[[], bool] = lambda: False, turns: Turns | None = None
+    ) -> Iterator[Completion]:
         """Yield a Completion per request, in finishing order.
 
         A request the engine refuses (vLLM validates each one) comes back as
         a Completion with ``error`` set; the others go on. When
         ``should_stop()`` turns true, no more requests are added, those in
-        flight are aborted, and the iteration ends.
+        flight are aborted, and the iteration ends. With ``turns`` (a rollout),
+        a finished request is the row's only when ``turns.ended`` says so; a
+        row's next turn goes to the engine as soon as ``turns.ready`` has it,
+        before any new row, and a row waiting on its tools holds its place in
+        the window.
         """
         self._feed_id = uuid.uuid4().hex[:8]
         it = iter(requests)
         in_flight: dict[str, Request] = {}
         exhausted = False
+
+        def add(batch: list[Request]) -> Iterator[Completion]:
+            for req, request_id, e in self._add(batch):
+                if request_id is not None:
+                    in_flight[request_id] = req
+                    continue
+                error = e if isinstance(e, RowError) else RowError("rejected_by_engine", f"{type(e).__name__}: {e}")
+                c = Completion(req.key, req.row, None, len(req.prompt_token_ids), 0, None, None, error)
+                if turns is None or (c := turns.ended(req, c)) is not None:  # type: ignore[assignment]
+                    yield c
+
         try:
             while True:
-                while not exhausted and len(in_flight) < self.window and not should_stop():
+                if turns is not None:
+                    nexts, ended = turns.ready()
+                    yield from ended
+                    if nexts and not should_stop():
+                        yield from add(nexts)
+                waiting = turns.waiting() if turns is not None else 0
+                while not exhausted and len(in_flight) + waiting < self.window and not should_stop():
                     # a prepared batch at a time: the engine core starts on the first while the next is prepared
-                    want = min(self.window - len(in_flight), PREPARE_BATCH)
+                    want = min(self.window - len(in_flight) - waiting, PREPARE_BATCH)
                     batch = list(itertools.islice(it, want))
                     exhausted = len(batch) < want
-                    for req, request_id, e in self._add(batch):
-                        if request_id is not None:
-                            in_flight[request_id] = req
-                        else:
-                            why = f"{type(e).__name__}: {e}"
-                            error = e if isinstance(e, RowError) else RowError("rejected_by_engine", why)
-                            yield Completion(req.key, req.row, None, len(req.prompt_token_ids), 0, None, None, error)
-                if should_stop() or not in_flight:
+                    yield from add(batch)
+                if should_stop():
                     return
+                if not in_flight:
+                    if not waiting:
+                        return
+                    t0 = time.monotonic()  # nothing to run until a tool returns
+                    turns.wait(TURN_POLL_SECONDS)  # type: ignore[union-attr]
+                    self.stats.idle_on_tools_s += time.monotonic() - t0
+                    continue
                 self.stats.max_in_flight = max(self.stats.max_in_flight, len(in_flight))
-                if not exhausted and len(in_flight) < self.window:
+                if not exhausted and len(in_flight) + waiting < self.window:
                     self.stats.steps_short += 1
                 outputs = self._engine.step()
                 self.stats.steps += 1
                 now = time.time()
                 for out in outputs:
                     if out.finished and out.request_id in in_flight:
-                        yield _completion(in_flight.pop(out.request_id), out, now)
+                        req = in_flight.pop(out.request_id)
+                        c = _completion(req, out, now)
+                        if turns is None or (c := turns.ended(req, c)) is not None:  # type: ignore[assignment]
+                            yield c
         finally:
             if in_flight:
                 # The engine may be dead already (that may be why we stop); the
@@ -540,17 +599,21 @@ class ShardFeed(ShardLoop):
         self.inputs = inputs
         self.feeder = Feeder(llm, window)
         self.order = work.order
+        self.turns: Turns | None = None
 
     @property
     def stats(self) -> dict[str, Any]:
         s = self.feeder.stats
-        return {
+        out = {
             "steps": s.steps,
             "max_in_flight": s.max_in_flight,
             "steps_short": s.steps_short,
             "window": self.feeder.window,
             "order": self.order,
         }
+        if self.turns is not None:
+            out["rollout"] = {**self.turns.stats(), "engine_idle_on_tools_s": round(s.idle_on_tools_s, 3)}
+        return out
 
     def run(self) -> None:
         """Feed every remaining row; the last save happens however it ends (a signal, an error, the end).
@@ -566,14 +629,17 @@ class ShardFeed(ShardLoop):
         requests = prepared_requests(work.remaining, work.renderer, self.tokenizer, self.task, self._row_error,
                                      window, self.inputs, batch_rows)  # fmt: skip
         self._report_progress(time.time())
+        self.turns = self.task.turns()  # a rollout's conversations: their turns come back
         try:
-            for c in self.feeder.run(requests, should_stop=self._poll):
+            for c in self.feeder.run(requests, should_stop=self._poll, turns=self.turns):
                 if c.error is not None:
                     self._row_error(c.key, c.row, c.error, c.prompt_tokens)
                 else:
                     self._completed(c)
                 self._tick(time.time())
         finally:
+            if self.turns is not None:
+                self.turns.close()  # the rows whose tools still run are the next attempt's
             self._end()
 
     def _order_window(self) -> int:

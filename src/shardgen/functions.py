@@ -22,18 +22,12 @@ on sample rows (``check_rows``) before any job.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.metadata
-import importlib.util
 import inspect
 import json
 import logging
 import multiprocessing
 import os
-import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -44,7 +38,7 @@ import pebble
 import pyarrow as pa
 
 from shardgen import config as cfg
-from shardgen import tasks
+from shardgen import pycode, tasks
 from shardgen.errors import ConfigError, RowError
 from shardgen.feed import ShardLoop, ShardWork
 from shardgen.results import DROPPED, RESERVED_COLUMNS, Columns
@@ -63,54 +57,16 @@ POLL_SECONDS = 0.5
 
 def describe(spec: Mapping[str, Any]) -> str:
     """``<file or module>:<name>``, as messages name the function."""
-    return f"{spec.get('path') or spec.get('module')}:{spec['name']}"
-
-
-def _module_file(module: str) -> Path:
-    """The file of ``function.module``, found without running it (its parent packages do run).
-
-    Raises:
-        ConfigError: no such module.
-    """
-    try:
-        found = importlib.util.find_spec(module)
-    except (ImportError, ValueError) as e:
-        raise ConfigError(f"function.module: {module!r} cannot be found: {type(e).__name__}: {e}") from e
-    if found is None or not found.origin or not Path(found.origin).is_file():
-        raise ConfigError(f"function.module: no module {module!r} is importable here (is its package installed?)")
-    return Path(found.origin)
+    return pycode.describe(spec)
 
 
 def function_digest(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """What identifies the function's code: the SHA-256 of its file, and for ``function.module`` the
-    version of the distribution that installs it (None for a module of no distribution).
+    """What identifies the function's code (``pycode.digest``).
 
     Raises:
         ConfigError: the file or module is not there.
     """
-    if spec.get("path"):
-        path = Path(spec["path"])
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise ConfigError(f"function.path: cannot read {path}: {e.strerror or e}") from e
-        return {"file_sha256": hashlib.sha256(data).hexdigest()}
-    module = spec["module"]
-    data = _module_file(module).read_bytes()
-    top = module.split(".")[0]
-    dists = importlib.metadata.packages_distributions().get(top) or []
-    version = importlib.metadata.version(dists[0]) if dists else None
-    return {"file_sha256": hashlib.sha256(data).hexdigest(), "distribution": dists[0] if dists else None,
-            "version": version}  # fmt: skip
-
-
-def _import_error(e: BaseException, where: str, file: Path | None) -> ConfigError:
-    """A ConfigError for an import that failed, naming the file and line where it failed."""
-    if isinstance(e, SyntaxError):
-        return ConfigError(f"function: {e.filename or where}, line {e.lineno}: syntax error: {e.msg}")
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if file is None or Path(f.filename) == file]
-    at = f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else where
-    return ConfigError(f"function: importing {where} failed at {at}: {type(e).__name__}: {_first_line(e)}")
+    return pycode.digest(spec, "function")
 
 
 def load_function(spec: Mapping[str, Any]) -> Callable[[Any], Any]:
@@ -120,43 +76,16 @@ def load_function(spec: Mapping[str, Any]) -> Callable[[Any], Any]:
         ConfigError: the file is missing or does not import (naming file and line), the name is not
             defined there, not a function, or does not take one argument.
     """
-    name = spec["name"]
-    if spec.get("path"):
-        path = Path(spec["path"])
-        if not path.is_file():
-            raise ConfigError(f"function.path: {path} is not a file")
-        module_name = "shardgen_function_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
-        loader_spec = importlib.util.spec_from_file_location(module_name, path)
-        if loader_spec is None or loader_spec.loader is None:
-            raise ConfigError(f"function.path: {path} is not a Python file")
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[module_name] = module  # its functions pickle by reference, like any module's
-        try:
-            loader_spec.loader.exec_module(module)
-        except Exception as e:
-            sys.modules.pop(module_name, None)
-            raise _import_error(e, str(path), path) from e
-        where = str(path)
-    else:
-        where = spec["module"]
-        try:
-            module = importlib.import_module(where)
-        except Exception as e:
-            raise _import_error(e, where, None) from e
-    fn = getattr(module, name, None)
-    if fn is None:
-        defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
-        raise ConfigError(f"function.name: {where} defines no {name!r} (its functions: {', '.join(defined) or 'none'})")
-    if not callable(fn):
-        raise ConfigError(f"function.name: {name!r} in {where} is a {type(fn).__name__}, not a function")
+    fn = pycode.load(spec, "function")
     try:
         signature = inspect.signature(fn)
         signature.bind(None)
     except TypeError:
-        line = getattr(getattr(fn, "__code__", None), "co_firstlineno", "?")
         what = "a pyarrow.RecordBatch" if spec.get("batch") else "a row (a dict of its columns)"
+        where = spec.get("path") or spec.get("module")
         raise ConfigError(
-            f"function.name: {name}{signature} ({where}, line {line}) must take one argument, {what}"
+            f"function.name: {spec['name']}{signature} ({where}, line {pycode.line_of(fn)}) must take one "
+            f"argument, {what}"
         ) from None
     except ValueError:  # a builtin without a signature: called as it is
         pass
@@ -164,11 +93,6 @@ def load_function(spec: Mapping[str, Any]) -> Callable[[Any], Any]:
 
 
 # -- Values: what a function returns, typed per function.columns ------------------------------------------
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:500] if text else ""
 
 
 def typed_value(column: str, kind: str, value: Any) -> Any:
@@ -258,7 +182,7 @@ def _call(rows: list[dict[str, Any]] | pa.RecordBatch, columns: Mapping[str, str
             try:
                 per_row.append(_FUNCTION(row))
             except Exception as e:  # noqa: BLE001 - the row's error: its type and first line
-                per_row.append(RowError("exception", f"{type(e).__name__}: {_first_line(e)}"))
+                per_row.append(RowError("exception", f"{type(e).__name__}: {pycode.first_line(e)}"))
     results: list[tuple[str | None, Any]] = []
     for out in per_row:
         try:
@@ -367,7 +291,7 @@ def check_rows(
             else:
                 out = fn(row)
         except Exception as e:  # noqa: BLE001 - that row's error in a job
-            notes.append(f"function {describe(spec)} raised on row {index}: {type(e).__name__}: {_first_line(e)} "
+            notes.append(f"function {describe(spec)} raised on row {index}: {type(e).__name__}: {pycode.first_line(e)} "
                          "(in the run, that row's error)")  # fmt: skip
             continue
         try:
@@ -511,7 +435,7 @@ class FunctionFeed(ShardLoop):
                                            f"({self.task.timeout:g} s); its process was replaced"))  # fmt: skip
         if isinstance(e, pebble.ProcessExpired):
             return str(RowError("worker_died", f"{name}: its process ended on this row (exit code {e.exitcode})"))
-        return str(RowError("exception", f"{type(e).__name__}: {_first_line(e)}"))
+        return str(RowError("exception", f"{type(e).__name__}: {pycode.first_line(e)}"))
 
 
 def check_task(config: dict[str, Any]) -> None:

@@ -372,7 +372,7 @@ def _feed(
 ) -> None:
     """Phase 3: the remaining rows through the engine's ``llm``, and what the feed and the engine counted."""
     engine, stop, config = context.engine, context.stop, job.config
-    tokenizer = engine.tokenizer(config.kind.generates, config.prompt.chat_template_kwargs)
+    tokenizer = engine.tokenizer(config.kind.generates, config.template_kwargs)
     job.renderer.max_chars = tokenizer.max_prompt_chars
     task = make_task(config, tokenizer, job.head)
     loras = job.model_record.get("adapters") or {}

@@ -154,11 +154,11 @@ def provenance(config: RunConfig, first: dict[str, Any], run: RunTotals, config_
         "pooling": dict(config.raw["pooling"]) if not config.kind.generates else None,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
-    extra: tuple[str, ...] = ()
-    if not config.kind.uses_engine:  # no model: what the task ran instead (a Python function's code)
-        own = config.kind.provenance(config.raw)
-        prov.update(model=None, pooling=None, **own)
-        extra = tuple(own)
+    own = config.kind.provenance(config.raw)  # the code the task called (a Python function's, a rollout's tools)
+    prov.update(own)
+    if not config.kind.uses_engine:  # no model: the function instead
+        prov.update(model=None, pooling=None)
+    extra = tuple(own)
     if not config.output.provenance_paths:  # the fields that hold paths; sampling values are the user's text
         prov.update({k: _no_paths(prov[k]) for k in ("model", "engine_args", "lora_adapters", *extra)})
     return prov

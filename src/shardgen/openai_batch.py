@@ -203,8 +203,8 @@ def result_line(
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
         }
     else:
-        samples = _samples(rows)
-        if any(s.get("generation") is None for s in samples):
+        samples = _samples(rows) if first.get("messages") is None else [_last_turn(first)]
+        if any(s.get("generation") is None and not s.get("tool_calls") for s in samples):
             return _error(line, index, error or "no_generation: the row got no generation")
         unfinished = [s["finish_reason"] for s in samples if s.get("finish_reason") not in FINISH_REASONS]
         if unfinished:
@@ -242,7 +242,8 @@ def result_line(
                 {
                     "index": i,
                     "message": {"role": "assistant", "content": s["generation"], "refusal": None}
-                    | ({"reasoning": s.get("reasoning")} if reasons else {}),
+                    | ({"reasoning": s.get("reasoning")} if reasons else {})
+                    | ({"tool_calls": s["tool_calls"]} if s.get("tool_calls") else {}),
                     "finish_reason": s["finish_reason"],
                     "logprobs": _chat_logprobs(s.get("logprobs"), top_logprobs),
                 }
@@ -260,6 +261,16 @@ def result_line(
             ),
         }
     return {**line, "response": {"status_code": 200, "request_id": f"req_{index}", "body": body}}
+
+
+def _last_turn(row: dict[str, Any]) -> dict[str, Any]:
+    """A rollout's row (``messages``) as the one sample its response holds: the last assistant message,
+    with its tool calls when the conversation ended at max_turns on a call (``finish_reason``
+    ``tool_calls``, as OpenAI ends a message that calls tools)."""
+    last = next(m for m in reversed(json.loads(row["messages"])) if m["role"] == "assistant")
+    calls = last.get("tool_calls") or None
+    return {**row, "generation": last.get("content"), "tool_calls": calls,
+            "finish_reason": "tool_calls" if calls else row["finish_reason"]}  # fmt: skip
 
 
 def _score_body(rows: list[dict[str, Any]], index: int, model: str, created: int) -> dict[str, Any]:

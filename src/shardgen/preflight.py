@@ -348,7 +348,10 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
             f"context of {max_len} tokens"
         )
     hf_tokenizer = _load_tokenizer(model_cfg, record)
-    tokenizer = eng.Tokenizer(hf_tokenizer, max_len or 2**62, config.kind.generates, config.prompt.chat_template_kwargs)
+    tokenizer = eng.Tokenizer(hf_tokenizer, max_len or 2**62, config.kind.generates, config.template_kwargs)
+    more_problems, more_notes = config.kind.check_model(config, hf_tokenizer)  # what the task adds: a rollout's tools
+    problems += more_problems
+    notes += more_notes
     if unused := unused_template_kwargs(hf_tokenizer, config.prompt.chat_template_kwargs):
         notes.append(
             f"prompt.chat_template_kwargs: the model's chat template does not use {', '.join(unused)}; "

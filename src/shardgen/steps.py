@@ -53,7 +53,7 @@ from shardgen.sandbox import BoundedSandbox, RenderBudget, TemplateTimeout
 from shardgen.sources import Segment, Source
 
 # What a step may set; each replaces the top-level section of its name.
-STEP_SECTIONS = ("task", "model", "function", "prompt", "sampling", "pooling", "lora", "resources")
+STEP_SECTIONS = ("task", "model", "function", "rollout", "prompt", "sampling", "pooling", "lora", "resources")
 # An earlier step's columns that are its own bookkeeping, not passed on (its own output keeps them).
 BOOKKEEPING = ("row_index", "finish_reason", "prompt_tokens", "generated_tokens", "reasoning_tokens", "error", DROPPED)
 OUTPUT_KEY = "output.dir"
@@ -87,6 +87,8 @@ def step_configs(config: Mapping[str, Any]) -> list[dict[str, Any]]:
         ConfigError: naming the step and the key.
     """
     root = config["output"]["dir"]
+    if config.get("rollout"):
+        raise ConfigError("rollout: in a run of steps, it goes in the step that runs conversations (steps[i].rollout)")
     base = {k: copy.deepcopy(v) for k, v in config.items() if k not in ("steps", "step")}
     shards = config.get("shards") or {}
     if shards.get("workers") or shards.get("per_job", 1) > 1:

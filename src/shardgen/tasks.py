@@ -105,6 +105,22 @@ class Task:
     def finish(self, row: dict[str, Any], completion: Completion) -> Finished:
         raise NotImplementedError
 
+    @classmethod
+    def chat_template_kwargs(cls, config: RunConfig) -> dict[str, Any]:
+        """What the task adds to the chat template's variables (``prompt.chat_template_kwargs``): a
+        rollout's ``tools``."""
+        return {}
+
+    @classmethod
+    def check_model(cls, config: RunConfig, tokenizer: Any) -> tuple[list[str], list[str]]:
+        """The preflight's check of what the task adds, with the model's (Hugging Face) tokenizer:
+        (problems, notes)."""
+        return [], []
+
+    def turns(self) -> Any:
+        """A task whose rows come back to the engine (``feed.Turns``: a rollout's conversations), or None."""
+        return None
+
     # -- A task without an engine (``uses_engine`` false) -------------------------------------------------
 
     def run_rows(self, work: Any, stop: Any, counters: Any) -> dict[str, Any]:
@@ -114,8 +130,8 @@ class Task:
 
     @classmethod
     def provenance(cls, config: Mapping[str, Any]) -> dict[str, Any]:
-        """A task without an engine: what the output's provenance names instead of a model (paths in it
-        are shortened unless ``output.provenance_paths``)."""
+        """What the output's provenance names besides the model (a task without an engine: instead of it):
+        code the run called. Paths in it are shortened unless ``output.provenance_paths``."""
         return {}
 
     @classmethod
@@ -216,9 +232,14 @@ class GenerateTask(Task):
             params.seed = eng.row_seed(self.seed, row[self.id_column] if self.id_column else index)
         return params
 
+    def sample(self, out: Any, prompt_token_ids: Any = None) -> Sample:
+        """One of vLLM's ``CompletionOutput``s as a ``Sample`` (with a reasoning parser: its answer apart
+        from its trace)."""
+        return _sample(out, self.splitter, prompt_token_ids)
+
     def finish(self, row: dict[str, Any], completion: Completion) -> Finished:
         out = completion.output
-        samples = [_sample(o, self.splitter, out.prompt_token_ids) for o in sorted(out.outputs, key=lambda o: o.index)]
+        samples = [self.sample(o, out.prompt_token_ids) for o in sorted(out.outputs, key=lambda o: o.index)]
         rows = self.spec.rows(row, completion.key, completion.prompt_tokens, samples)
         error = next((r["error"] for r in rows if r["error"]), None)
         return Finished(rows, error, sum(s.generated_tokens for s in samples))

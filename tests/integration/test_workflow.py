@@ -24,6 +24,8 @@ from tests.integration.workflow import (
     Background,
     dry_run_jobs,
     finished_shards,
+    generate_process,
+    part_rows,
     run_workflow,
     slurm_jobs,
     workflow_config,
@@ -337,7 +339,24 @@ def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoe
                and p["chosen"]["sample_index"] == best[p["chosen"]["id"]]["sample_index"] for p in chosen)  # fmt: skip
 
 
+# The rollout's tool: each call recorded, the capital of a country as JSON.
+CAPITAL = """\
+import json
+
+CALLS = {calls!r}
+CAPITALS = {{"france": "Paris", "italy": "Rome", "norway": "Oslo"}}
+
+
+def capital(country):
+    with open(CALLS, "a") as f:
+        f.write(json.dumps(country) + "\\n")
+    return {{"capital": CAPITALS[country]}}
+"""
+CAPITAL_SCHEMA = {"type": "object", "required": ["country"],
+                  "properties": {"country": {"type": "string", "enum": ["france", "italy", "norway"]}}}  # fmt: skip
+# The verifier: a line per call; per-row errors of three kinds, and the job killed once (from inside).
 VERIFY = """\
+import json
 import os
 import signal
 import time
@@ -346,92 +365,140 @@ CALLS = {calls!r}
 
 
 def verify(row):
-    key = (row["id"], row["sample_index"])
+    key = row["id"]
     with open(CALLS, "a") as f:  # a line per call: the test counts them
-        f.write(f"{{key[0]}} {{key[1]}}\\n")
-    if key == ("r00001", 0):
+        f.write(key + "\\n")
+    if key == "r00001":
         raise ValueError("cannot verify this one\\nsecond line")
-    if key == ("r00002", 1):
+    if key == "r00002":
         time.sleep(60)
-    if key == ("r00003", 2):
-        return {{"keep": "yes", "words": 1}}
-    if key == ("r00004", 3) and not os.path.exists(CALLS + ".killed"):
+    if key == "r00003":
+        return {{"keep": "yes", "answers": 1}}
+    if key == "r00006" and not os.path.exists(CALLS + ".killed"):
         open(CALLS + ".killed", "w").close()
         time.sleep(2)  # the rows before are saved (checkpoint.rows 1)
         os.kill(os.getppid(), signal.SIGKILL)  # the job's process dies: Slurm fails the job, Snakemake retries it
-    words = len(row["generation"].split())
-    return {{"keep": words % 2 == 0, "words": words}}
+    answers = [m["content"] for m in json.loads(row["messages"]) if m["role"] == "tool"]
+    return {{"keep": (len(answers) + row["n"]) % 2 == 0, "answers": len(answers)}}
 """
 
 
 @pytest.mark.slurm
-def test_a_function_step_keeps_the_samples_its_function_returned_true_for_each_once(tmp_path, slurm_cluster):
-    """Draft (four samples per row, the real engine) -> verify (a Python function in a CPU job) ->
-    ``keep_if``, through the Slurm profile. The output is exactly the samples the function returned true
-    for, each once; the function ran once per sample (the one whose call killed its job: twice, the
-    killed job's saved rows not again); a row that raises, one past its timeout and one of a wrong type
-    are those rows' errors. An edited function reruns only its step and the selection; a function file
-    that does not import is refused before any job."""
-    rows = 6
-    write_parquet(tmp_path / "data" / "in.parquet", make_rows(rows))
-    calls = tmp_path / "calls"
-    (tmp_path / "verify.py").write_text(VERIFY.format(calls=str(calls)))
+def test_a_rollout_then_a_function_step_keep_each_conversation_once_through_kills_of_both_jobs(tmp_path, slurm_cluster):
+    """A rollout with tools (``tool_choice: required``, the real engine) -> verify (a Python function in
+    a CPU job) -> ``keep_if``, through the Slurm profile. The rollout's job is killed (kill -9) once it
+    saved conversations, and the verifier's kills itself on one row: each retry resumes, and every row
+    is in each step's output once. Every conversation is OpenAI chat format, each tool result the
+    tool's value for its call, none longer than max_turns. The verifier's rows that raise, pass their
+    timeout or return a wrong type are those rows' errors; it ran once per row (the one that killed its
+    job twice, the killed job's saved rows not again). An edited function reruns only its step and the
+    selection; a function file that does not import is refused before any job."""
+    from openai.types.chat import ChatCompletionMessageParam
+    from pydantic import TypeAdapter
+
+    rows = 12
+    countries = ["france", "italy", "norway"]
+    write_parquet(tmp_path / "data" / "in.parquet", [{"id": f"r{i:05d}", "country": countries[i % 3], "n": i}
+                                                     for i in range(rows)])  # fmt: skip
+    tool_calls, verify_calls = tmp_path / "tool-calls", tmp_path / "verify-calls"
+    (tmp_path / "capital.py").write_text(CAPITAL.format(calls=str(tool_calls)))
+    (tmp_path / "verify.py").write_text(VERIFY.format(calls=str(verify_calls)))
+    # compact JSON calls (an engine setting passed as model.extra); 2 sequences at a time, so the
+    # conversations finish a few at a time and the job is killed with some saved and some not
+    compact = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
     config = workflow_config({"parquet": [str(tmp_path / "data" / "in.parquet")], "id_column": "id"},
                              shards={"rows_per_shard": rows}, checkpoint={"rows": 1},
+                             model={**TEST_MODEL_CFG, "max_num_seqs": 2, "extra": compact},
+                             prompt={"template": "Use the tool: what is the capital of {{ country }}?"},
                              errors={"max_rate": 0.5})  # fmt: skip
     config.pop("sampling")
-    function = {"path": "verify.py", "name": "verify", "columns": {"keep": "bool", "words": "int64"},
+    tools = [{"path": "capital.py", "name": "capital", "schema": CAPITAL_SCHEMA, "example": {"country": "italy"}}]
+    function = {"path": "verify.py", "name": "verify", "columns": {"keep": "bool", "answers": "int64"},
                 "timeout_seconds": 3, "processes": 1}  # fmt: skip
     config["steps"] = [
-        {"name": "draft", "sampling": {"n": 4, "seed": 7, "temperature": 1.0, "max_tokens": 8}},
+        {"name": "solve", "sampling": {"temperature": 0.0, "max_tokens": 32},
+         "rollout": {"max_turns": 2, "tools": tools, "tool_choice": "required", "parallel_tool_calls": False,
+                     "tool_processes": 2}},
         {"name": "verify", "function": function, "select": {"keep_if": "keep"},
          "resources": {"cpus_per_task": 1, "mem_mb": 1000, "runtime": 5}},
     ]  # fmt: skip
     out = tmp_path / "results"
-    verify = RunDir(out / "steps" / "verify")
-    text = run_workflow(tmp_path, config, "slurm").stdout
+    solve, verify = RunDir(out / "steps" / "solve"), RunDir(out / "steps" / "verify")
+    run = Background(tmp_path, config, "slurm")
+    ckpt = out / "steps" / "solve" / "checkpoints" / "00000"
+    run.wait_until(lambda: ckpt.exists() and part_rows(ckpt) > 0, 600, "conversations saved by the rollout's job")
+    job = generate_process(tmp_path)
+    for p in [*job.children(recursive=True), job]:  # the node's OOM killer: no warning, no save
+        p.kill()
+    saved = part_rows(ckpt)
+    assert 0 < saved < rows
+    text = run.wait()
 
-    made = pq.read_table(verify.merged("parquet")).to_pylist()  # every sample, with its function's columns
-    assert sorted((r["id"], r["sample_index"]) for r in made) == [(f"r{i:05d}", s) for i in range(rows)
-                                                                   for s in range(4)]  # fmt: skip
-    by_key = {(r["id"], r["sample_index"]): r for r in made}
-    assert by_key[("r00001", 0)]["error"] == "exception: ValueError: cannot verify this one"
-    assert by_key[("r00002", 1)]["error"].startswith("timeout: ")
-    assert by_key[("r00003", 2)]["error"] == "wrong_type: column 'keep': str 'yes', not bool"
-    bad = {("r00001", 0), ("r00002", 1), ("r00003", 2)}
-    for key, r in by_key.items():
-        if key not in bad:
-            assert r["error"] is None and r["words"] == len(r["generation"].split()), r
-            assert r["keep"] == (r["words"] % 2 == 0)
-    kept = sorted(k for k, r in by_key.items() if r["keep"] is True and r["error"] is None)
-    assert 0 < len(kept) < rows * 4
+    conversations = pq.read_table(solve.merged("parquet")).to_pylist()
+    assert [r["id"] for r in conversations] == [f"r{i:05d}" for i in range(rows)], "every row once, in order"
+    validate = TypeAdapter(list[ChatCompletionMessageParam]).validate_python
+    capitals = {"france": "Paris", "italy": "Rome", "norway": "Oslo"}
+    for r in conversations:
+        messages = json.loads(r["messages"])
+        validate(messages)  # OpenAI's chat format, as the openai package types it
+        # a call every turn (required, one per turn), so every row runs to max_turns, and no further
+        assert r["error"] is None and r["turns"] == 2 and r["finish_reason"] == "max_turns", r
+        assert messages[0]["role"] == "user"
+        calls = [c for m in messages if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+        results = {m["tool_call_id"]: m["content"] for m in messages if m["role"] == "tool"}
+        assert (
+            len(calls) == r["tool_calls"] == len(results)
+            and sum(m["role"] == "assistant" for m in messages) == r["turns"]
+        )
+        for call in calls:  # each result the tool's value for the call's arguments
+            country = json.loads(call["function"]["arguments"])["country"]
+            assert json.loads(results[call["id"]]) == {"capital": capitals[country]}, (call, results)
+    solve_stats = json.loads(solve.shard_stats("00000").read_text())
+    killed, finished = solve_stats["attempts"]
+    assert killed["outcome"] is None and finished["outcome"] == "committed"
+    assert solve_stats["rows_resumed"] == saved and solve_stats["attempt_requests"] >= rows - saved
+    assert solve_stats["feed"]["rollout"]["rows"] == rows - saved, "the saved conversations were not run again"
+    # the preflight's example call, then each conversation's calls: those of the killed job's unsaved ones twice
+    recorded = [json.loads(line) for line in tool_calls.read_text().splitlines()]
+    assert recorded[0] == "italy" and len(recorded) - 1 >= sum(r["tool_calls"] for r in conversations)
+
+    made = pq.read_table(verify.merged("parquet")).to_pylist()  # every row, with its function's columns
+    assert [r["id"] for r in made] == [f"r{i:05d}" for i in range(rows)]
+    by_id = {r["id"]: r for r in made}
+    assert by_id["r00001"]["error"] == "exception: ValueError: cannot verify this one"
+    assert by_id["r00002"]["error"].startswith("timeout: ")
+    assert by_id["r00003"]["error"] == "wrong_type: column 'keep': str 'yes', not bool"
+    for key, r in by_id.items():
+        if key not in ("r00001", "r00002", "r00003"):
+            assert r["error"] is None and r["answers"] == r["tool_calls"], r
+            assert r["keep"] == ((r["answers"] + r["n"]) % 2 == 0)
+    kept = [k for k, r in by_id.items() if r["keep"] is True and r["error"] is None]
+    assert 0 < len(kept) < rows
     output = pq.read_table(out / "output.parquet").to_pylist()
-    assert [(r["id"], r["sample_index"]) for r in output] == kept, "exactly the samples it returned true for, once"
-
-    lines = [tuple(line.rsplit(" ", 1)) for line in calls.read_text().splitlines()]
-    counted = Counter((i, int(s)) for i, s in lines if i)  # (the preflight's call on a placeholder row has no id)
-    twice = {k for k, n in counted.items() if n > 1}
-    # once per sample: the one whose call killed the job twice, and the next, which the killed job's
+    assert [r["id"] for r in output] == kept, "exactly the rows it returned true for, once"
+    counted = Counter(verify_calls.read_text().split())
+    # once per row: the one whose call killed the job twice, and the next, which the killed job's
     # worker process may have started as it died (rows in flight when a job dies run again)
-    assert set(counted) == set(by_key) and max(counted.values()) == 2, counted
-    assert ("r00004", 3) in twice and twice <= {("r00004", 3), ("r00005", 0)}, counted
+    assert set(counted) == set(by_id) and max(counted.values()) == 2, counted
+    assert counted["r00006"] == 2 and {k for k, n in counted.items() if n > 1} <= {"r00006", "r00007"}, counted
     killed = json.loads(verify.shard_stats("00000").read_text())
-    # the 19 rows before it were saved by the killed job, and not called again
-    assert len(killed["attempts"]) == 2 and killed["rows_resumed"] == 19, killed["attempts"]
+    assert len(killed["attempts"]) == 2 and killed["rows_resumed"] == 6, killed["attempts"]  # r00000-r00005 saved
     assert killed["gpus"] == 0 and killed["gpu_hours"] == 0 and killed["feed"]["processes"] == 1
     stats = json.loads((out / "stats.json").read_text())
     assert [(s["name"], s["rows"], s["output_rows"], s["errors"]) for s in stats["steps"]] == [
-        ("draft", rows, rows * 4, 0), ("verify", rows * 4, rows * 4, 3)]  # fmt: skip
+        ("solve", rows, rows, 0), ("verify", rows, rows, 3)]  # fmt: skip
     assert stats["output_rows"] == len(kept)
-    provenance = stats["provenance"]["steps"][1]["function"]
+    solve_prov, verify_prov = (stats["provenance"]["steps"][i] for i in (0, 1))
     code = hashlib.sha256((tmp_path / "verify.py").read_bytes()).hexdigest()
-    assert provenance["name"] == "verify" and provenance["code"]["file_sha256"] == code
+    assert verify_prov["function"]["name"] == "verify" and verify_prov["function"]["code"]["file_sha256"] == code
+    tool_code = hashlib.sha256((tmp_path / "capital.py").read_bytes()).hexdigest()
+    assert solve_prov["rollout"]["tools"][0]["code"]["file_sha256"] == tool_code
     assert "step verify" in text
 
-    (tmp_path / "verify.py").write_text(VERIFY.format(calls=str(calls)) + "\n# edited\n")
+    (tmp_path / "verify.py").write_text(VERIFY.format(calls=str(verify_calls)) + "\n# edited\n")
     jobs = dry_run_jobs(tmp_path, config)
     assert jobs.get("verify_generate_shard") == 1 and "select_output" in jobs, jobs
-    assert not any(j.startswith("draft_") for j in jobs), jobs
+    assert not any(j.startswith("solve_") for j in jobs), jobs
 
     (tmp_path / "verify.py").write_text("def verify(row):\n    return {'keep': True\n")
     failed = run_workflow(tmp_path, config, "slurm", check=False)

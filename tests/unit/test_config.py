@@ -449,9 +449,9 @@ def test_the_typed_config_has_a_field_for_every_key_of_its_schema_section_and_no
     for section, cls in cfg.SECTIONS.items():
         fields = {f.name for f in dataclasses.fields(cls)}
         assert fields == set(cfg.schema()["properties"][section]["properties"]), section
-    # and a run of steps: its steps, and what shardgen sets on each step's config (shardgen.steps); and a
-    # Python step's function, which its feature reads (shardgen.functions)
-    sections = {"model", "sampling", "task", "steps", "step", "function"}
+    # and a run of steps: its steps, and what shardgen sets on each step's config (shardgen.steps); a
+    # Python step's function and a rollout, which their features read (shardgen.functions, .rollouts)
+    sections = {"model", "sampling", "task", "steps", "step", "function", "rollout"}
     assert set(cfg.SECTIONS) | sections == set(cfg.schema()["properties"])
     # defaults come from the schema, through validation, whatever the dataclass says
     run = cfg.RunConfig.from_dict(minimal())

@@ -21,6 +21,7 @@ EXPECTED = {
     "tp-70b": ("generate", 4, 1),
     "two-node": ("generate", 8, 2),
     "rejection-sampling": [("generate", 1, 1), ("function", 0, 1)],
+    "tool-rollout": [("generate", 1, 1), ("function", 0, 1)],
 }
 
 
