@@ -203,7 +203,8 @@ def result_line(
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
         }
     else:
-        samples = _samples(rows) if first.get("messages") is None else [_last_turn(first)]
+        # a rollout's row (its `turns`; `messages` alone is a chat request's input): its last assistant message
+        samples = _samples(rows) if first.get("turns") is None else [_last_turn(first)]
         if any(s.get("generation") is None and not s.get("tool_calls") for s in samples):
             return _error(line, index, error or "no_generation: the row got no generation")
         unfinished = [s["finish_reason"] for s in samples if s.get("finish_reason") not in FINISH_REASONS]

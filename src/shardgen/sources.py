@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import glob
 import itertools
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -25,6 +26,8 @@ from shardgen.errors import InputError
 
 if TYPE_CHECKING:
     from shardgen.config import InputConfig, RunConfig
+
+log = logging.getLogger(__name__)
 
 BATCH_ROWS = 1024
 
@@ -107,16 +110,21 @@ def _parquet_file(path: str, options: Mapping[str, Any] | None = None, opened: A
         raise InputError(f"input: '{path}' is not a valid Parquet file ({e})") from e
 
 
-def describe_parquet(path: str, options: Mapping[str, Any] | None = None) -> tuple[ParquetFileInfo, pa.Schema]:
+def describe_parquet(
+    path: str, options: Mapping[str, Any] | None = None, reads: list[int] | None = None
+) -> tuple[ParquetFileInfo, pa.Schema]:
     """Read one file's footer: row counts per row group and the schema (an object's: and its size and
-    ETag, from the HEAD that opened it)."""
+    ETag, from the HEAD that opened it; the bytes its footer took are appended to ``reads``)."""
     opened = storage.open_input(path, options) if storage.is_url(path) else None
-    pf = _parquet_file(path, options, opened)
+    counted = storage.CountingFile(opened) if opened is not None else None
+    pf = _parquet_file(path, options, counted)
     md = pf.metadata
     groups = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
-    if opened is not None:
+    if opened is not None and counted is not None:
         info = ParquetFileInfo(path, opened.size(), 0, md.num_rows, groups, storage.etag(opened))
-        opened.close()
+        if reads is not None:
+            reads.append(counted.read_bytes)
+        counted.close()
         return info, pf.schema_arrow
     st = os.stat(path)
     return ParquetFileInfo(path, st.st_size, st.st_mtime_ns, md.num_rows, groups), pf.schema_arrow
@@ -170,6 +178,8 @@ class ParquetSource:
         self.schema = plain_schema(schema, f"'{files[0].path}'" if files else "the input")
         # global index of each file's first row, and the total at the end
         self._offsets = list(itertools.accumulate((f.rows for f in files), initial=0))
+        # planning's reads of objects: (objects, bytes read, their bytes), set by ``scan``
+        self.objects_read: tuple[int, int, int] | None = None
 
     @classmethod
     def scan(cls, patterns: list[str], storage_options: Mapping[str, Any] | None = None) -> ParquetSource:
@@ -184,7 +194,8 @@ class ParquetSource:
         schema: pa.Schema | None = None
         first = ""
         paths = expand_inputs(patterns, storage_options)
-        described = storage.parallel(lambda p: describe_parquet(p, storage_options), paths)
+        reads: list[int] = []  # what each object's footer took (local files: not counted)
+        described = storage.parallel(lambda p: describe_parquet(p, storage_options, reads), paths)
         for path, (info, file_schema) in zip(paths, described, strict=True):
             if schema is None:
                 schema, first = file_schema, path
@@ -194,7 +205,13 @@ class ParquetSource:
                 )
             infos.append(info)
         assert schema is not None
-        return cls(infos, schema.remove_metadata(), storage_options)
+        source = cls(infos, schema.remove_metadata(), storage_options)
+        if reads:
+            size = sum(f.size for f in infos if storage.is_url(f.path))
+            source.objects_read = (len(reads), sum(reads), size)
+            log.info("planned %d object(s) from their footers: read %d of their %d bytes (%.2f%%)", len(reads),
+                     sum(reads), size, 100 * sum(reads) / max(size, 1))  # fmt: skip
+        return source
 
     @property
     def num_rows(self) -> int:

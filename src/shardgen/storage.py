@@ -18,6 +18,7 @@ import contextlib
 import functools
 import glob
 import hashlib
+import io
 import json
 import re
 from collections.abc import Mapping
@@ -157,6 +158,40 @@ def open_input(url: str, options: Mapping[str, Any] | None) -> pa.NativeFile:
         raise InputError(f"input: cannot read '{url}': {_first_line(e)}; {_hint(options)}") from e
 
 
+class CountingFile(io.RawIOBase):
+    """An object opened for reading (``open_input``), counting the bytes read through it: what planning
+    reads of each object (its footer) is reported against the objects' size."""
+
+    def __init__(self, f: pa.NativeFile) -> None:
+        super().__init__()
+        self.f, self.read_bytes = f, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def size(self) -> int:
+        return self.f.size()
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.f.read(len(buffer))
+        buffer[: len(data)] = data
+        self.read_bytes += len(data)
+        return len(data)
+
+    def close(self) -> None:
+        self.f.close()
+        super().close()
+
+
 def etag(f: pa.NativeFile) -> str | None:
     """The ETag of an open object (its HEAD response, which opening it read)."""
     value = (f.metadata() or {}).get("ETag") or (f.metadata() or {}).get(b"ETag")
@@ -262,6 +297,16 @@ def _write(fs: pafs.S3FileSystem, local: Path, path: str) -> None:
             fs.delete_file(path)
         raise
     stream.close()
+
+
+def require_writable(prefix: str | None, options: Mapping[str, Any] | None) -> None:
+    """``check_writable``, for a run about to start (a run of steps, before any job).
+
+    Raises:
+        StorageError: ``prefix`` cannot take the upload, naming it and why.
+    """
+    if prefix and (why := check_writable(prefix, options)):
+        raise StorageError(f"{why}; no job was started")
 
 
 def check_writable(prefix: str, options: Mapping[str, Any] | None) -> str | None:

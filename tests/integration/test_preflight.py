@@ -328,3 +328,18 @@ def test_a_yaml_alias_bomb_given_to_snakemake_is_refused_at_once(tmp_path):
     assert "the config holds more than 100,000 values once its YAML aliases" in r.stdout + r.stderr, r.stderr[-3000:]
     # Snakemake's own start is most of it (the refusal: milliseconds, tests/unit/test_config.py)
     assert took < 60, f"{took:.0f} s"
+
+
+def test_a_run_of_steps_whose_upload_destination_cannot_be_written_stops_before_any_job(tmp_path, s3_server):
+    """output.upload of a run of steps: the run's destination (the steps' own preflights check each
+    step, and upload nothing themselves) is tried when the run starts, before the first job."""
+    data = write_parquet(tmp_path / "data" / "in.parquet", make_rows(4))
+    config = workflow_config({"parquet": [str(data)], "storage_options": {"endpoint_url": s3_server}},
+                             output={"upload": "s3://no-such-bucket/run/"})  # fmt: skip
+    config["steps"] = [{"name": "draft"}]
+    r = run_workflow(tmp_path, config, "local", check=False)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert "output.upload: cannot write under 's3://no-such-bucket/run/'" in out and "no job was started" in out, out
+    assert "rule draft_plan_shards" not in out
+    assert not (tmp_path / "results" / "steps" / "draft" / "plan" / "manifest.json").exists()

@@ -20,12 +20,20 @@ LABELS = ["positive", "negative"]
 BUDGET = 4
 
 
+def reasoner_model(reasoner_dir) -> dict:
+    """The model section of every shard of the test (one engine); compact JSON for the rollout's tool
+    calls (the test model's answers would fill a JSON object with whitespace)."""
+    compact = {"backend": "xgrammar", "disable_any_whitespace": True}
+    return {"model": str(reasoner_dir), "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20,
+            "extra": {"structured_outputs_config": compact}}  # fmt: skip
+
+
 def shard(tmp_path, engine, rows, reasoner_dir, prompt=None, inputs=None, **overrides):
     """Plan ``rows`` as one shard on the reasoning model, run it on ``engine``; the table and stats."""
     data = write_parquet(tmp_path / "in.parquet", rows)
     config = base_config(
         {"parquet": [str(data)], "id_column": "id", **(inputs or {})},
-        model={"model": str(reasoner_dir), "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20},
+        model=reasoner_model(reasoner_dir),
         prompt={"template": "Review: {{ text }}\nIs it positive or negative?", **(prompt or {})},
         sampling={"temperature": 0.0, "max_tokens": 16, "reasoning_parser": "deepseek_r1",
                   "thinking_token_budget": BUDGET, "structured_outputs": {"choice": LABELS}},
@@ -88,6 +96,37 @@ def test_the_trace_is_the_budget_the_label_follows_it_and_a_trace_cut_by_max_tok
                        prompt={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
         assert (off[0]["reasoning"], off[0]["reasoning_tokens"], off[0]["error"]) == (None, 0, None)
         assert off[0]["generation"] in LABELS
+
+        # a rollout: each turn's trace kept apart (its assistant message's reasoning), its call after it
+        (tmp_path / "tool.py").write_text("def echo(word):\n    return word.upper()\n")
+        word = {
+            "type": "object",
+            "required": ["word"],
+            "properties": {"word": {"type": "string", "enum": ["yes", "no"]}},
+        }
+        tools = [{"path": str(tmp_path / "tool.py"), "name": "echo", "schema": word}]
+        data = write_parquet(tmp_path / "rollout" / "in.parquet", rows[:2])
+        config = base_config(
+            {"parquet": [str(data)], "id_column": "id", "sampling_column": "params"},
+            model=reasoner_model(reasoner_dir),
+            prompt={"template": "Review: {{ text }}\nIs it positive or negative?"},
+            sampling={"temperature": 0.0, "max_tokens": 32, "reasoning_parser": "deepseek_r1",
+                      "thinking_token_budget": BUDGET},
+            rollout={"max_turns": 2, "tools": tools, "tool_choice": "echo", "tool_processes": 1},
+            output={"dir": str(tmp_path / "rollout" / "out")}, shards={"rows_per_shard": 2},
+        )  # fmt: skip
+        write_manifest(config, tmp_path / "rollout" / "manifest.json")
+        out = tmp_path / "rollout" / "00000.parquet"
+        run_shard(config, tmp_path / "rollout" / "manifest.json", "00000", out, out.with_suffix(".json"),
+                  JobContext(engine))  # fmt: skip
+        for r in pq.read_table(out).to_pylist():
+            assert r["error"] is None and r["turns"] == 2 and r["finish_reason"] == "max_turns", (r["messages"], r)
+            messages = json.loads(r["messages"])
+            turns = [m for m in messages if m["role"] == "assistant"]
+            assert all(m["reasoning"] and "think>" not in m["reasoning"] for m in turns), messages
+            results = [m["content"] for m in messages if m["role"] == "tool"]
+            calls = [json.loads(m["tool_calls"][0]["function"]["arguments"])["word"] for m in turns]
+            assert results == [c.upper() for c in calls], messages
         assert engine.starts == 1
     finally:
         engine.close()

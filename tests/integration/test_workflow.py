@@ -68,11 +68,12 @@ def check_output(workdir, ids: list[str]) -> tuple:
 
 
 @pytest.mark.slurm
-def test_slurm_profile_submits_a_job_per_shard_without_pausing_retries_a_cancelled_one_alone_and_merges_every_row(
+def test_slurm_profile_submits_a_job_per_shard_without_pausing_retries_a_killed_one_alone_and_merges_every_row(
     tmp_path, slurm_cluster, s3_server
 ):
     """The input is two objects in S3-compatible storage (the test server), read in place by the jobs,
-    and the output is uploaded there (output.upload), byte for byte."""
+    and the output is uploaded there (output.upload), byte for byte. The first shard's job is killed
+    (kill -9) once it saved rows: its retry resumes them, reading the rest from the objects again."""
     sizes, files, start = [12, 8], [], 0
     store = s3_bucket(s3_server, "slurm-in")
     s3_bucket(s3_server, "slurm-out")
@@ -88,19 +89,25 @@ def test_slurm_profile_submits_a_job_per_shard_without_pausing_retries_a_cancell
         {"parquet": ["s3://slurm-in/data/*.parquet"], "id_column": "id",
          "storage_options": {"endpoint_url": s3_server}},
         shards={"rows_per_shard": 10},
-        model={**TEST_MODEL_CFG, "extra": compact},
+        # a row at a time, saved every 2: the job is killed between two saves
+        model={**TEST_MODEL_CFG, "extra": compact, "max_num_seqs": 1},
+        checkpoint={"rows": 2, "seconds": 300},
         sampling={"temperature": 0.0, "max_tokens": 48, "structured_outputs": {"json": schema}},
         output={"upload": "s3://slurm-out/run/"},
     )  # fmt: skip
     # the two jobs go out in one round: no pause between submissions (plugin >= 2.7.1; 2.6.1 pauses
-    # 5 s per pair); the node's 2 CPUs run one job at a time, and the first shard's job, cancelled
-    # while its engine starts, is the one submitted again
+    # 5 s per pair); the node's 2 CPUs run one job at a time, and the first shard's job, killed
+    # once it saved rows, is the one submitted again
     assert slurm_plugin_problem() is None
     run = Background(tmp_path, config, "slurm")
-    attempts_file = tmp_path / "results" / "checkpoints" / "00000" / "attempts.jsonl"
-    run.wait_until(attempts_file.exists, 600, "the first shard's job to start")
-    cancelled = json.loads(attempts_file.read_text().splitlines()[0])["slurm"]["job_id"]
-    subprocess.run(["scancel", cancelled], check=True)
+    ckpt = tmp_path / "results" / "checkpoints" / "00000"
+    run.wait_until(lambda: ckpt.exists() and part_rows(ckpt) > 0, 600, "the first shard's saved rows")
+    killed = json.loads((ckpt / "attempts.jsonl").read_text().splitlines()[0])["slurm"]["job_id"]
+    job = generate_process(tmp_path, "--shard", "00000")
+    for p in [*job.children(recursive=True), job]:  # no warning, no save: as a node failure
+        p.kill()
+    saved = part_rows(ckpt)
+    assert 0 < saved < 10
     text = run.wait()
     table, stats = check_output(tmp_path, [f"r{i:05d}" for i in range(20)])
     assert all(isinstance(p["answer"], str) for p in table.column("parsed").to_pylist())
@@ -114,8 +121,10 @@ def test_slurm_profile_submits_a_job_per_shard_without_pausing_retries_a_cancell
         assert s["queue_wait_seconds"] >= 0 and s["slurm"]["submit_time"], "Slurm's queue wait, from scontrol"
     shard_dir = tmp_path / "results" / "shards"
     attempts = [json.loads((shard_dir / f"{s['shard']}.stats.json").read_text())["attempts"] for s in stats["shards"]]
-    assert [len(a) for a in attempts] == [2, 1], "only the cancelled shard ran again"
-    assert attempts[0][0]["outcome"] == "interrupted" and attempts[0][0]["slurm"]["job_id"] == cancelled
+    assert [len(a) for a in attempts] == [2, 1], "only the killed shard ran again"
+    assert attempts[0][0]["outcome"] is None and attempts[0][0]["slurm"]["job_id"] == killed
+    first = json.loads((shard_dir / "00000.stats.json").read_text())
+    assert first["rows_resumed"] == saved and first["attempt_requests"] == 10 - saved, "its saved rows resumed"
     first_round = sorted(datetime.datetime.fromisoformat(a[0]["slurm"]["submit_time"]) for a in attempts)
     assert (first_round[-1] - first_round[0]).total_seconds() < 4, first_round
     assert "output: results/output.parquet" in text

@@ -210,7 +210,7 @@ def test_a_rollout_s_openai_batch_response_is_its_last_assistant_message():
     messages = [{"role": "user", "content": "Add."}, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_0_2_0", "content": "3"}]  # fmt: skip
     row = {"row_index": 0, "custom_id": "q0", "generation": None, "finish_reason": "max_turns", "prompt_tokens": 9,
-           "generated_tokens": 12, "error": None, "messages": json.dumps(messages),
+           "generated_tokens": 12, "error": None, "messages": json.dumps(messages), "turns": 2, "tool_calls": 2,
            "url": "/v1/chat/completions"}  # fmt: skip
     body = result_line([row], "generate", "m", 0, "custom_id")["response"]["body"]
     choice = ChatCompletion.model_validate(body).choices[0]

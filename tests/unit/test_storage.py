@@ -173,3 +173,28 @@ def test_the_input_signature_of_objects_changes_when_one_is_rewritten_so_the_run
     assert [p for p, *_ in before] == ["s3://signed/a.parquet"]
     client.put_object(Bucket="signed", Key="a.parquet", Body=parquet_bytes(make_rows(5)))
     assert input_signature(run.input) != before
+
+
+def test_planning_objects_reads_their_footers_only_and_says_how_much(tmp_path, s3_server):
+    """Objects of about 1 MB (incompressible text, 4 row groups): planning reads each one's footer, the
+    last 64 KiB (Arrow's footer_read_size), not its rows. (1,000 objects: bench/s3_plan.py.)"""
+    import random
+
+    client = s3_bucket(s3_server, "footers")
+    rng = random.Random(0)
+    for i in range(3):
+        rows = [{"id": f"o{i}-{j}", "text": "".join(rng.choices("abcdefghij", k=1000))} for j in range(1000)]
+        buf = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(rows), buf, row_group_size=250, compression="none")
+        client.put_object(Bucket="footers", Key=f"data/part-{i}.parquet", Body=buf.getvalue())
+    source = storage_source(["s3://footers/data/*.parquet"], s3_server)
+    objects, read, size = source.objects_read
+    assert objects == 3 and size == sum(f.size for f in source.files) > 3_000_000
+    assert 0 < read <= 3 * 65536, "only the footers"
+    assert [f.rows for f in source.files] == [1000] * 3 and source.files[0].row_groups == [250] * 4
+
+
+def storage_source(patterns: list[str], endpoint: str):
+    from shardgen.sources import ParquetSource
+
+    return ParquetSource.scan(patterns, {"endpoint_url": endpoint})

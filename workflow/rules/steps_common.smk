@@ -8,14 +8,20 @@ from shardgen.installed import slurm_plugin_problem
 from shardgen.runlock import RunLock
 from shardgen.runstop import RunStop
 from shardgen.statuscheck import keep_unseen_jobs
+from shardgen.storage import require_writable
 
 RUN_STOP = None
 
 
 def start_steps():
-    """onstart: hold output.dir for the run; with Slurm, refuse a step whose generate jobs no node can
-    run, and watch the queue."""
+    """onstart: refuse an output.upload destination that cannot be written; hold output.dir for the
+    run; with Slurm, refuse a step whose generate jobs no node can run, and watch the queue.
+    """
     global RUN_LOCK, RUN_STOP, WATCHER
+    # output.upload: the steps' preflights check their own steps; the destination is the run's
+    require_writable(
+        config["output"].get("upload"), config["input"].get("storage_options")
+    )
     fingerprint = shardgen_steps.content_digest(STEPS)
     RUN_LOCK = RunLock.acquire(RUN_DIR.root, Path.cwd(), fingerprint)
     RUN_STOP = RunStop(
