@@ -214,19 +214,24 @@ def main() -> None:
         # two engines: a KV cache that fits the whole batch for the first two
         # comparisons, one that cannot hold every document for the third
         results = {}
-        for name, measure, mib in (
-            ("overhead", overhead_and_caching, args.kv_cache_mib),
-            ("order", documents_and_questions, args.order_kv_cache_mib),
-        ):
-            model = model_config(mib)
-            # one engine for both sides: wrapped, so run_shard uses it as it is (an Engine() that
-            # started it would start another for settings that differ from the job's)
-            from vllm import LLM
+        llm = llm_mib = None
+        try:
+            for name, measure, mib in (
+                ("overhead", overhead_and_caching, args.kv_cache_mib),
+                ("order", documents_and_questions, args.order_kv_cache_mib),
+            ):
+                model = model_config(mib)
+                if llm is None or llm_mib != mib:  # one engine when both KV caches are the same (a smoke run)
+                    if llm is not None:
+                        llm.llm_engine.engine_core.shutdown()
+                    # one engine for both sides: wrapped, so run_shard uses it as it is (an Engine() that
+                    # started it would start another for settings that differ from the job's)
+                    from vllm import LLM
 
-            llm = LLM(**EngineSettings(model=model).kwargs)
-            try:
+                    llm, llm_mib = LLM(**EngineSettings(model=model).kwargs), mib
                 results[name] = measure(Engine(llm), model, work, args)
-            finally:
+        finally:
+            if llm is not None:
                 llm.llm_engine.engine_core.shutdown()
     result = {
         "what": "output tokens/s (median of the repeats); shardgen includes reading, rendering, tokenizing, "

@@ -18,7 +18,7 @@ from shardgen.io import restrict_umask
 from shardgen.merge import main_merge, push, upload
 from shardgen.multinode import main_worker
 from shardgen.plan import write_manifest
-from shardgen.preflight import main_preflight
+from shardgen.preflight import main_preflight, reach_storage
 from shardgen.report import main_plots
 from shardgen.status import main_status
 
@@ -53,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", help="the shard's stats JSON (one shard)")
     gen.add_argument("--record", help="several shards, or a worker: the job's or the worker's record (JSON)")
     gen.add_argument("--model-record", help="where the fetch step found the model (its JSON record)")
+
+    reach = sub.add_parser("reach-storage", help="from a compute job: the input's objects can be read where jobs run")
+    reach.add_argument("--config", required=True)
+    reach.add_argument("--manifest", required=True)
+    reach.add_argument("--record", required=True, help="where to write what was read, and from where (JSON)")
 
     up = sub.add_parser("upload", help="upload the merged output and its stats to output.upload (s3://)")
     up.add_argument("--config", required=True)
@@ -141,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
                 (shard,) = args.shard
                 return workers.main_shard(config, args.manifest, shard, args.output, args.stats, args.model_record)
             return workers.main_shards(config, args.manifest, args.shard, args.record, args.model_record)
+        if args.command == "reach-storage":
+            record = reach_storage(_load(args.config), args.manifest, args.record)
+            print(f"read {len(record['objects'])} object(s) from {record['host']}", file=sys.stderr)
+            return 0
         if args.command == "upload":
             record = upload(_load(args.config), args.dataset, args.stats, args.record)
             print(f"uploaded {len(record['uploaded'])} object(s) to {record['prefix']}; {len(record['skipped'])} "

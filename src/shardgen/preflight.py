@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardgen import engine as eng
-from shardgen import heads, jobenv, lora, reasoning, rowsampling, storage
+from shardgen import heads, jobenv, jobinfo, lora, reasoning, rowsampling, storage
 from shardgen.config import RunConfig, engine_version, warnings
 from shardgen.errors import InputError, RowError, ShardgenError
 from shardgen.feed import RowInputs
@@ -521,3 +522,34 @@ def main_preflight(config: RunConfig, manifest: str, report_path: str, model_rec
     atomic_write_text(report_path, json.dumps(report, indent=1) + "\n")
     print(report_text(report))
     return 0
+
+
+def storage_objects(config: RunConfig) -> bool:
+    """Whether the run reads its input from object storage (an ``s3://`` pattern)."""
+    return any(storage.is_url(p) for p in config.input.parquet or ())
+
+
+def reach_storage(config: RunConfig, manifest_path: str | Path, record_path: str | Path) -> dict[str, Any]:
+    """From a compute job, before any GPU job (the rule ``reach_storage``, submitted like a generate job
+    but asking for no GPU): the input's objects can be read where the jobs run, one object of each
+    bucket (a compute node may reach a site's store when it reaches nothing else, or not at all, with
+    other credentials). Writes what it read, and from where.
+
+    Raises:
+        InputError: an object cannot be read from here, naming it, the node and the job.
+    """
+    where = f"{jobinfo.host()}" + (f", Slurm job {os.environ['SLURM_JOB_ID']}" if "SLURM_JOB_ID" in os.environ else "")
+    firsts: dict[str, str] = {}
+    try:
+        for f in Manifest.load(manifest_path).data["source"].get("files") or []:
+            if storage.is_url(f["path"]):
+                firsts.setdefault(f["path"].split("/")[2], f["path"])
+        for url in firsts.values():
+            storage.head(url, config.input.storage_options)
+    except InputError as e:
+        raise InputError(f"{e} (from a compute job on {where}: the nodes that run the generate jobs must reach "
+                         "the endpoint, with the credentials in the environment they inherit); no generate job "
+                         "was submitted") from e  # fmt: skip
+    record = {"host": jobinfo.host(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "objects": list(firsts.values())}
+    atomic_write_text(record_path, json.dumps(record, indent=1) + "\n", below=config.output.dir)
+    return record

@@ -483,11 +483,11 @@ class RolloutTask(tasks.GenerateTask):
 
     @classmethod
     def content(cls, config: Mapping[str, Any]) -> dict[str, Any]:
-        """A generation's, and the rollout: its settings and its tools' code, not where their files are
-        nor how many processes run them."""
+        """A generation's, and the rollout: its settings and its tools' code, not where their files are,
+        the preflight's example calls, nor how many processes run them."""
         rollout = config["rollout"]
         kept = {k: v for k, v in rollout.items() if k not in ("tools", "tool_processes")}
-        tools = [{k: v for k, v in t.items() if k != "path"} for t in rollout["tools"]]
+        tools = [{k: v for k, v in t.items() if k not in ("path", "example")} for t in rollout["tools"]]
         return {**super().content(config), "rollout": {**kept, "tools": tools, "code": tool_digests(rollout)}}
 
     @classmethod

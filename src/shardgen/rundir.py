@@ -70,6 +70,11 @@ class RunDir:
         return self.plan / "preflight.json"
 
     @property
+    def storage_reach(self) -> Path:
+        """What a compute job read of the input's objects, and from where (``preflight.reach_storage``)."""
+        return self.plan / "storage-reach.json"
+
+    @property
     def configs(self) -> Path:
         return self.plan / CONFIG_DIR
 

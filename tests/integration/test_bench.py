@@ -14,8 +14,10 @@ pytestmark = pytest.mark.engine
 
 
 def test_the_benchmark_compares_raw_vllm_caching_and_order_and_writes_results(tmp_path, model_dir):
+    # one engine for both comparisons (the same KV cache): a smoke run
     cmd = [sys.executable, str(ROOT / "bench" / "throughput.py"), "--rows", "12", "--max-tokens", "4",
-           "--repeats", "1", "--docs", "4", "--questions", "2", "--out", str(tmp_path)]  # fmt: skip
+           "--repeats", "1", "--docs", "4", "--questions", "2", "--kv-cache-mib", "128", "--order-kv-cache-mib", "128",
+           "--out", str(tmp_path)]  # fmt: skip
     r = run_bounded(cmd)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "throughput.json").read_text())

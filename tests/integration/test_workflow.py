@@ -128,6 +128,9 @@ def test_slurm_profile_submits_a_job_per_shard_without_pausing_retries_a_killed_
     first_round = sorted(datetime.datetime.fromisoformat(a[0]["slurm"]["submit_time"]) for a in attempts)
     assert (first_round[-1] - first_round[0]).total_seconds() < 4, first_round
     assert "output: results/output.parquet" in text
+    # the compute side read the objects before any generate job: a Slurm job of its own
+    reach = json.loads((tmp_path / "results" / "plan" / "storage-reach.json").read_text())
+    assert reach["objects"] == ["s3://slurm-in/data/part-0.parquet"] and reach["slurm_job_id"], reach
     # the objects' rows, as the same files on local disk hold them; the output and stats uploaded
     local = [r for f in files for r in pq.read_table(f).to_pylist()]
     assert table.select(["id", "topic", "n"]).to_pylist() == local

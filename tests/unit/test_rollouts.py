@@ -109,6 +109,8 @@ def test_the_tools_code_is_in_the_fingerprint_and_their_paths_are_not(tmp_path):
     (moved / "tools.py").write_text(TOOLS + "\n# edited\n")
     assert content_fingerprint(validate(elsewhere)) != first, "an edited tool reruns the shards"
     assert content_fingerprint(validate(rollout_config(tmp_path, max_turns=2))) != first
+    example = rollout_config(tmp_path, tools=[{"path": "tools.py", "name": "add", "example": {"a": 1}}])
+    assert content_fingerprint(validate(example)) == first, "the preflight's example call reruns nothing"
 
 
 def test_a_tool_s_schema_comes_from_its_signature_and_docstring_unless_given(tmp_path):

@@ -18,6 +18,7 @@ from shardgen.config import RunConfig
 from shardgen.errors import ConfigError, InputError
 from shardgen.merge import upload
 from shardgen.plan import Manifest, build_manifest
+from shardgen.sources import Segment
 from shardgen.storage import StorageError
 from tests.conftest import make_rows, s3_bucket, write_parquet
 
@@ -198,3 +199,58 @@ def storage_source(patterns: list[str], endpoint: str):
     from shardgen.sources import ParquetSource
 
     return ParquetSource.scan(patterns, {"endpoint_url": endpoint})
+
+
+def test_throttling_is_retried_and_a_denied_upload_prefix_is_named(tmp_path, s3_server):
+    """Through a proxy that answers as a store under load, or with a policy that denies writes: the
+    first two requests for each object get 503 SlowDown (the AWS SDK's standard retries back off and
+    try again, so planning and reading succeed), and writes under ``denied/`` get 403."""
+    from tests.s3faults import FaultProxy
+
+    client = s3_bucket(s3_server, "faults")
+    rows = make_rows(9)
+    client.put_object(Bucket="faults", Key="data/part-0.parquet", Body=parquet_bytes(rows))
+    with FaultProxy(s3_server, throttle=2) as proxy:
+        source = storage_source(["s3://faults/data/*.parquet"], proxy.url)
+        assert source.num_rows == 9 and proxy.throttled >= 2, proxy.seen
+        (tmp_path / "plan").mkdir()
+        read = [r for b in source.read([Segment(0, 0, 9)]) for r in b.to_pylist()]
+        assert read == rows
+    with FaultProxy(s3_server, deny="/faults/denied/") as proxy:
+        said = storage.check_writable("s3://faults/denied/run/", {"endpoint_url": proxy.url})
+        assert said.startswith("output.upload: cannot write under 's3://faults/denied/run/': ") and proxy.denied
+        assert "ACCESS_DENIED" in said or "Access Denied" in said, said
+        (tmp_path / "out.parquet").write_bytes(parquet_bytes(rows))
+        with pytest.raises(StorageError, match=r"output.upload: cannot write 's3://faults/denied/run/out.parquet'"):
+            storage.upload([(tmp_path / "out.parquet", "out.parquet")], "s3://faults/denied/run/",
+                           {"endpoint_url": proxy.url}, tmp_path / "state.json")  # fmt: skip
+        assert storage.check_writable("s3://faults/allowed/", {"endpoint_url": proxy.url}) is None
+
+
+def test_a_compute_job_that_cannot_read_the_objects_is_named_with_its_node_before_any_generate_job(
+    tmp_path, s3_server, monkeypatch
+):
+    """``shardgen reach-storage`` (the rule reach_storage, a job like the generate jobs but with no GPU):
+    planned from the login node, then read from a node whose reads are refused (403)."""
+    from shardgen.preflight import reach_storage
+    from shardgen.rundir import RunDir
+    from tests.s3faults import FaultProxy
+
+    client = s3_bucket(s3_server, "reach")
+    for i in range(2):
+        client.put_object(Bucket="reach", Key=f"data/part-{i}.parquet", Body=parquet_bytes(make_rows(5, 10 * i)))
+    with FaultProxy(s3_server) as proxy:
+        run = config(tmp_path, ["s3://reach/data/*.parquet"], proxy.url)
+        run_dir = RunDir(run.output.dir)
+        run_dir.plan.mkdir(parents=True)
+        run_dir.manifest.write_text(json.dumps(build_manifest(run)))
+        monkeypatch.setenv("SLURM_JOB_ID", "4242")
+        record = reach_storage(run, run_dir.manifest, run_dir.storage_reach)
+        assert record["objects"] == ["s3://reach/data/part-0.parquet"] and record["slurm_job_id"] == "4242"
+        assert json.loads(run_dir.storage_reach.read_text()) == record
+        proxy.deny_reads = True
+        with pytest.raises(InputError) as e:
+            reach_storage(run, run_dir.manifest, tmp_path / "again.json")
+    said = str(e.value)
+    assert said.startswith("input: cannot read 's3://reach/data/part-0.parquet': ") and "Slurm job 4242" in said
+    assert "the nodes that run the generate jobs must reach the endpoint" in said and "no generate job" in said

@@ -8,6 +8,7 @@ rule generate_shard:
         # no GPU job starts before the run passed its checks (a run of steps: every step's)
         preflight=rules.preflight.output.report,
         preflights=STEP_PREFLIGHTS,
+        storage=STORAGE_REACH,
         step_before=step_before_shard,
     output:
         parquet=RUN_DIR.shard_file("{shard}"),
