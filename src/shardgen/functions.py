@@ -450,11 +450,8 @@ def check_task(config: dict[str, Any]) -> None:
 
 def resolve_path(config: dict[str, Any], base: Path) -> None:
     """``function.path`` (top level and in each step) relative to the config file's directory."""
-    for section in [config, *(s for s in config.get("steps") or [] if isinstance(s, dict))]:
-        function = section.get("function") if isinstance(section, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("path"), str):
-            path = Path(os.path.expanduser(function["path"]))
-            function["path"] = str(path if path.is_absolute() else base / path)
+    for section in pycode.sections(config):
+        pycode.resolve_path(section.get("function"), base)
 
 
 # task: function is a task like the others (config asks tasks.KINDS); its path is relative to the config file.

@@ -12,6 +12,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import os
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -121,3 +122,15 @@ def load(spec: Mapping[str, Any], key: str) -> Callable[..., Any]:
 def line_of(fn: Any) -> Any:
     """The line a function is defined on, for messages ('?' when it has none)."""
     return getattr(getattr(fn, "__code__", None), "co_firstlineno", "?")
+
+
+def sections(config: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The config and each of its steps: where a section that names code (``function``, ``rollout``) may be."""
+    return [s for s in [config, *(config.get("steps") or [])] if isinstance(s, dict)]  # type: ignore[list-item]
+
+
+def resolve_path(spec: Any, base: Path) -> None:
+    """A spec's ``path`` (``~`` expanded) relative to ``base``, the config file's directory, made absolute."""
+    if isinstance(spec, dict) and isinstance(spec.get("path"), str):
+        path = Path(os.path.expanduser(spec["path"]))
+        spec["path"] = str(path if path.is_absolute() else base / path)

@@ -378,6 +378,7 @@ class Rollouts:
                 break
         nexts: list[Request] = []
         ended: list[Completion] = []
+        going: list[tuple[int, Conversation]] = []  # whose tools all returned, for their next turn
         for key, i, name, future, started in returned:
             conv = self.task.conversations[key]
             self.tool_seconds += time.monotonic() - started
@@ -397,8 +398,11 @@ class Rollouts:
                               for call, result in zip(calls, conv.results, strict=True)]  # fmt: skip
             if conv.finish_reason == FINISH_MAX_TURNS:
                 ended.append(self._summed(conv, conv.last))  # type: ignore[arg-type]
-                continue
-            ids = self.task.tokenizer.encode_batch([template_messages(conv.messages)])[0]
+            else:
+                going.append((key, conv))
+        # the next turns' prompts: one call of the chat template and the tokenizer for all of them
+        prompts = self.task.tokenizer.encode_batch([template_messages(conv.messages) for _, conv in going])
+        for (key, conv), ids in zip(going, prompts, strict=True):
             prev = conv.request
             assert prev is not None
             if isinstance(ids, RowError):  # the conversation outgrew the context
@@ -588,12 +592,10 @@ class RolloutTask(tasks.GenerateTask):
 
 def resolve_paths(config: dict[str, Any], base: Path) -> None:
     """Each tool's ``path`` (top level and in each step's rollout) relative to the config file's directory."""
-    for section in [config, *(s for s in config.get("steps") or [] if isinstance(s, dict))]:
-        rollout = section.get("rollout") if isinstance(section, dict) else None
-        for tool in (rollout or {}).get("tools") or [] if isinstance(rollout, dict) else []:
-            if isinstance(tool, dict) and isinstance(tool.get("path"), str):
-                path = Path(os.path.expanduser(tool["path"]))
-                tool["path"] = str(path if path.is_absolute() else base / path)
+    for section in pycode.sections(config):
+        rollout = section.get("rollout")
+        for tool in (rollout.get("tools") or []) if isinstance(rollout, dict) else []:
+            pycode.resolve_path(tool, base)
 
 
 # A rollout section makes task: generate a rollout (config asks TASK_SECTIONS); its tools' paths are
