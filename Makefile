@@ -42,7 +42,7 @@ demo: setup
 	@echo "demo: 48 prompts in 3 shards through the local profile (the engine starts once per shard)"
 	$(RUN) snakemake --profile profiles/local
 
-# The one-node Slurm cluster the tests submit to (needs root).
+# The local Slurm cluster the tests submit to (needs root; scripts/slurm-up.sh).
 slurm:
 	bash scripts/slurm-up.sh
 
@@ -60,9 +60,12 @@ format: setup
 
 # The whole suite: it fails unless engine and Slurm tests ran and passed. It runs vLLM's CPU
 # build (a machine with Slurm would otherwise get the CUDA build: scripts/setup-venv.sh).
+# Two processes run it (pytest-xdist; tests/conftest.py says why), the tests that use the session
+# engine in one of them; then the tests that measure this machine's speed run alone (marker serial).
 test: export SHARDGEN_VLLM ?= cpu
 test: setup test-models slurm lint
-	$(RUN) pytest --require-markers=engine,slurm $(PYTEST_ARGS)
+	$(RUN) pytest -n 2 --dist loadgroup -m "not serial" --require-markers=engine,slurm $(PYTEST_ARGS)
+	$(RUN) pytest -m serial --require-markers=engine,slurm $(PYTEST_ARGS)
 
 # The benchmarks: raw vLLM against shardgen's generate path (throughput), the
 # feed against LLM.chat where the feed bounds a job (feed), and the pooling

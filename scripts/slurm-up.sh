@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Start a Slurm cluster on this machine for the tests, advertising fake GPUs
 # so that GPU requests from profiles/slurm are really scheduled: the node
-# named after the host (partition debug, the default), and two more slurmd
-# daemons on their own ports posing as two nodes of partition twonodes, for
-# jobs over several nodes (resources.nodes).
+# named after the host (partition debug, the default); a twin of it, its own
+# slurmd on its own port (partition debug2: `make test` runs its tests in two
+# processes, each submitting to a partition of its own, so that neither's
+# jobs wait behind the other's); and two more slurmd daemons posing as two
+# nodes of partition twonodes, for jobs over several nodes (resources.nodes).
 # Idempotent: a second run with the daemons up only waits for the node.
 # Needs root (apt-get, /etc/slurm, /run). Not for real clusters.
 set -euo pipefail
@@ -31,7 +33,7 @@ fi
 # Fake GPU devices: character devices (same as /dev/null), which gres.conf
 # accepts; regular files are refused.
 mkdir -p /run/fakegpu
-for i in $(seq 0 $((NGPUS + 1))); do
+for i in $(seq 0 $((2 * NGPUS + 1))); do
   [ -e /run/fakegpu/gpu$i ] || mknod /run/fakegpu/gpu$i c 1 3
 done
 
@@ -64,16 +66,19 @@ SlurmctldPidFile=/run/slurmctld.pid
 SlurmdPidFile=/run/slurmd-%n.pid
 ReturnToService=2
 NodeName=${host} CPUs=${cpus} RealMemory=${mem_mb} Gres=gpu:${NGPUS} State=UNKNOWN
+NodeName=${host}-b NodeHostname=${host} NodeAddr=127.0.0.1 Port=6833 CPUs=${cpus} RealMemory=${mem_mb} Gres=gpu:${NGPUS} State=UNKNOWN
 NodeName=${host}-n0 NodeHostname=${host} NodeAddr=127.0.0.1 Port=6831 CPUs=${cpus} RealMemory=$((mem_mb / 2)) Gres=gpu:1 State=UNKNOWN
 NodeName=${host}-n1 NodeHostname=${host} NodeAddr=127.0.0.1 Port=6832 CPUs=${cpus} RealMemory=$((mem_mb / 2)) Gres=gpu:1 State=UNKNOWN
 PartitionName=debug Nodes=${host} Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug2 Nodes=${host}-b MaxTime=INFINITE State=UP
 PartitionName=twonodes Nodes=${host}-n0,${host}-n1 MaxTime=INFINITE State=UP
 CONF
 )
 gres="NodeName=${host} Name=gpu File=/run/fakegpu/gpu[0-$((NGPUS - 1))]
 NodeName=${host}-n0 Name=gpu File=/run/fakegpu/gpu${NGPUS}
-NodeName=${host}-n1 Name=gpu File=/run/fakegpu/gpu$((NGPUS + 1))"
-nodes="${host} ${host}-n0 ${host}-n1"
+NodeName=${host}-n1 Name=gpu File=/run/fakegpu/gpu$((NGPUS + 1))
+NodeName=${host}-b Name=gpu File=/run/fakegpu/gpu[$((NGPUS + 2))-$((2 * NGPUS + 1))]"
+nodes="${host} ${host}-b ${host}-n0 ${host}-n1"
 changed=0
 if [ "$(cat /etc/slurm/slurm.conf 2>/dev/null)" != "$conf" ]; then
   echo "$conf" >/etc/slurm/slurm.conf; changed=1
@@ -85,7 +90,7 @@ if [ $changed = 1 ]; then
   pkill -x slurmctld 2>/dev/null || true
   pkill -x slurmd 2>/dev/null || true
   # slurmctld saves its state before it exits: wait, or it is not restarted below
-  for _ in $(seq 30); do pgrep -x 'slurmctld|slurmd' >/dev/null || break; sleep 1; done
+  for _ in $(seq 30); do { pgrep -x slurmctld || pgrep -x slurmd; } >/dev/null || break; sleep 1; done
 fi
 pgrep -x slurmctld >/dev/null || slurmctld
 for node in $nodes; do
@@ -106,4 +111,4 @@ for node in $nodes; do
   tail -20 /var/log/slurm/slurmctld.log "/var/log/slurm/slurmd-$node.log" >&2 || true
   exit 1
 done
-echo "slurm: node $host: ${cpus} CPUs, ${mem_mb} MiB, ${NGPUS} GPUs (partition debug); $host-n0 and $host-n1 (partition twonodes)"
+echo "slurm: node $host: ${cpus} CPUs, ${mem_mb} MiB, ${NGPUS} GPUs (partition debug), its twin $host-b (partition debug2); $host-n0 and $host-n1 (partition twonodes)"

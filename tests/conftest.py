@@ -120,6 +120,13 @@ def llm(engine):
     return engine.llm
 
 
+# `make test` runs the suite in two processes (pytest-xdist, ``-n 2``): most of a Slurm test's time is
+# one core's (a job's engine starting, Snakemake polling), so two at once fill the machine's two. Each
+# process submits to a Slurm partition of its own (scripts/slurm-up.sh: debug and its twin debug2), so
+# that one's jobs never wait behind the other's.
+SLURM_PARTITION = "debug2" if os.environ.get("PYTEST_XDIST_WORKER") == "gw1" else "debug"
+
+
 @pytest.fixture
 def slurm_cluster() -> None:
     """The local Slurm cluster (``make slurm``): a test that needs it fails, never skips, without it."""
@@ -146,6 +153,13 @@ def in_tmp(tmp_path: Path):
 # -- A suite that cannot pass with a whole category missing ------------------------------------------
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tests that use the session engine run in one process, so it is started once."""
+    for item in items:
+        if "engine" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("session-engine"))
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--require-markers",
@@ -169,6 +183,8 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):
+        return  # a pytest-xdist worker: the controller, which sees every report, checks
     required = [m for m in session.config.getoption("--require-markers").split(",") if m]
     problems = [f"no '{m}' test passed" for m in required if not _PASSED.get(m)]
     problems += [f"'{m}' tests were skipped: {', '.join(_SKIPPED[m][:3])}" for m in required if _SKIPPED.get(m)]

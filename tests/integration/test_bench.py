@@ -10,7 +10,8 @@ import pytest
 from tests.conftest import ROOT
 from tests.integration.workflow import run_bounded
 
-pytestmark = pytest.mark.engine
+# side by side in one process: run alone (make test), as a benchmark is
+pytestmark = [pytest.mark.engine, pytest.mark.serial]
 
 
 def test_the_benchmark_compares_raw_vllm_caching_and_order_and_writes_results(tmp_path, model_dir):

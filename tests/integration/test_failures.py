@@ -184,6 +184,7 @@ def _job_states(job_ids) -> dict[str, str]:
 
 
 @pytest.mark.slurm
+@pytest.mark.serial  # sized from the session engine's speed: with nothing beside it, as its job runs
 def test_a_time_limit_and_a_scancel_each_save_the_finished_rows_and_the_retries_get_more_time(
     tmp_path, slurm_cluster, rows_per_s
 ):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SLURM_PARTITION
 from tests.integration.workflow import BIN, run_bounded, slurm_jobs
 
 pytestmark = pytest.mark.slurm
@@ -53,7 +53,7 @@ def stop_once(workdir: Path, moment: str) -> None:
         str(BIN / "snakemake"),
         "--snakefile", str(ROOT / "tests" / "integration" / "stopflow" / "Snakefile"),
         "--profile", str(ROOT / "profiles" / "slurm"),
-        "--default-resources", "slurm_partition=debug",
+        "--default-resources", f"slurm_partition={SLURM_PARTITION}",
         # status queries soon and often, so that the 'status' moment comes within seconds
         "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "2",
         "--config", f"moment={moment}", f"trigger={trigger}",

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from shardgen.cluster import FINAL_STATES
-from tests.conftest import ROOT, TEST_MODEL_CFG
+from tests.conftest import ROOT, SLURM_PARTITION, TEST_MODEL_CFG
 
 BIN = Path(sys.executable).parent
 # The longest a workflow run of the suite may take before it is taken for hung: its processes' stacks
@@ -154,7 +154,7 @@ def _command(
         "--profile",
         str(ROOT / "profiles" / profile),
         # the test cluster's partition, for the profile's SET_ME placeholder
-        *(["--default-resources", "slurm_partition=debug"] if profile == "slurm" else []),
+        *(["--default-resources", f"slurm_partition={SLURM_PARTITION}"] if profile == "slurm" else []),
         snakefile=snakefile,
     )
     return cmd + list(args), env
@@ -188,7 +188,8 @@ def controller_job(workdir: Path, config: dict[str, Any], bound: float = 480) ->
     its log. Fails unless it ended COMPLETED within ``bound`` s (then cancelled)."""
     cmd, env = _command(workdir, config, "slurm", ())
     script = ROOT / "profiles" / "slurm" / "controller.sbatch"
-    sbatch = ["sbatch", "--parsable", "--partition=debug", "--time=15", str(script), *cmd[len(SNAKEMAKE) :]]
+    sbatch = ["sbatch", "--parsable", f"--partition={SLURM_PARTITION}", "--time=15", str(script),
+              *cmd[len(SNAKEMAKE) :]]  # fmt: skip
     job = subprocess.run(sbatch, cwd=workdir, env=env, capture_output=True, text=True, check=True).stdout.strip()
     log = workdir / f"shardgen-controller-{job}.log"
     deadline = time.time() + bound
