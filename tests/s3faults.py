@@ -1,7 +1,9 @@
 """An HTTP proxy in front of the S3 test server that answers some requests itself, as a real store
 does under load or with a policy that denies: the first ``throttle`` requests for each object (method
-and path) get 503 SlowDown, any write under ``deny`` gets 403 AccessDenied (S3's XML errors), and
-every read too once ``deny_reads`` is set (credentials that another node does not have).
+and path) get 503 SlowDown, any write under ``deny`` gets 403 AccessDenied (S3's XML errors), every
+read too once ``deny_reads`` is set (credentials that another node does not have), and with
+``signed_only`` any request that carries no signature (a client that found no credentials), as S3
+answers an anonymous request for a private bucket.
 Everything else goes to the server as it came (moto does not check signatures, so the Host the
 client signed for does not matter)."""
 
@@ -17,9 +19,9 @@ ERROR = "<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Messag
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, throttle: int = 0, deny: str | None = None) -> None:
+    def __init__(self, upstream: str, throttle: int = 0, deny: str | None = None, signed_only: bool = False) -> None:
         self.upstream = urlsplit(upstream)
-        self.throttle, self.deny = throttle, deny
+        self.throttle, self.deny, self.signed_only = throttle, deny, signed_only
         self.deny_reads = False  # set it to answer every read with 403 from then on
         self.seen: Counter[tuple[str, str]] = Counter()
         self.throttled = self.denied = 0
@@ -49,7 +51,8 @@ class FaultProxy:
                 path = urlsplit(self.path).path
                 with proxy._lock:
                     proxy.seen[(self.command, path)] += 1
-                    if proxy.deny_reads and self.command in ("GET", "HEAD"):
+                    signed = "Authorization" in self.headers or "X-Amz-Credential" in self.path
+                    if (proxy.deny_reads and self.command in ("GET", "HEAD")) or (proxy.signed_only and not signed):
                         proxy.denied += 1
                         return 403, "AccessDenied", "Access Denied"
                     if proxy.deny and self.command in ("PUT", "POST", "DELETE") and path.startswith(proxy.deny):

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardgen.installed import slurm_plugin_problem
+from shardgen.rollouts import ERROR_PREFIX
 from shardgen.rundir import RunDir
 from shardgen.steps import DROPPED
 from tests.conftest import ROOT, TEST_MODEL_CFG, make_rows, s3_bucket, write_parquet
@@ -352,16 +353,25 @@ def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoe
 
 
 # The rollout's tool: each call recorded, the capital of a country as JSON.
+# The rollout's tool: a line per call; it raises for Norway, and hangs on a job's first call for Italy.
 CAPITAL = """\
 import json
+import os
+import time
 
 CALLS = {calls!r}
-CAPITALS = {{"france": "Paris", "italy": "Rome", "norway": "Oslo"}}
+CAPITALS = {{"france": "Paris", "italy": "Rome"}}
 
 
 def capital(country):
     with open(CALLS, "a") as f:
         f.write(json.dumps(country) + "\\n")
+    if country == "norway":
+        raise LookupError("no capital on file for norway")
+    hung = CALLS + ".hung-" + os.environ.get("SLURM_JOB_ID", "")
+    if country == "italy" and not os.path.exists(hung):
+        open(hung, "w").close()
+        time.sleep(30)
     return {{"capital": CAPITALS[country]}}
 """
 CAPITAL_SCHEMA = {"type": "object", "required": ["country"],
@@ -401,7 +411,8 @@ def test_a_rollout_then_a_function_step_keep_each_conversation_once_through_kill
     a CPU job) -> ``keep_if``, through the Slurm profile. The rollout's job is killed (kill -9) once it
     saved conversations, and the verifier's kills itself on one row: each retry resumes, and every row
     is in each step's output once. Every conversation is OpenAI chat format, each tool result the
-    tool's value for its call, none longer than max_turns. The verifier's rows that raise, pass their
+    tool's value for its call, or the error of a tool that raised or hung past its timeout, after which
+    the conversation went on; none longer than max_turns. The verifier's rows that raise, pass their
     timeout or return a wrong type are those rows' errors; it ran once per row (the one that killed its
     job twice, the killed job's saved rows not again). An edited function reruns only its step and the
     selection; a function file that does not import is refused before any job."""
@@ -424,13 +435,13 @@ def test_a_rollout_then_a_function_step_keep_each_conversation_once_through_kill
                              prompt={"template": "Use the tool: what is the capital of {{ country }}?"},
                              errors={"max_rate": 0.5})  # fmt: skip
     config.pop("sampling")
-    tools = [{"path": "capital.py", "name": "capital", "schema": CAPITAL_SCHEMA, "example": {"country": "italy"}}]
+    tools = [{"path": "capital.py", "name": "capital", "schema": CAPITAL_SCHEMA, "example": {"country": "france"}}]
     function = {"path": "verify.py", "name": "verify", "columns": {"keep": "bool", "answers": "int64"},
                 "timeout_seconds": 3, "processes": 1}  # fmt: skip
     config["steps"] = [
         {"name": "solve", "sampling": {"temperature": 0.0, "max_tokens": 32},
          "rollout": {"max_turns": 2, "tools": tools, "tool_choice": "required", "parallel_tool_calls": False,
-                     "tool_processes": 2}},
+                     "tool_processes": 2, "tool_timeout_seconds": 2}},
         {"name": "verify", "function": function, "select": {"keep_if": "keep"},
          "resources": {"cpus_per_task": 1, "mem_mb": 1000, "runtime": 5}},
     ]  # fmt: skip
@@ -449,7 +460,14 @@ def test_a_rollout_then_a_function_step_keep_each_conversation_once_through_kill
     conversations = pq.read_table(solve.merged("parquet")).to_pylist()
     assert [r["id"] for r in conversations] == [f"r{i:05d}" for i in range(rows)], "every row once, in order"
     validate = TypeAdapter(list[ChatCompletionMessageParam]).validate_python
-    capitals = {"france": "Paris", "italy": "Rome", "norway": "Oslo"}
+    # what the model is told of each call: the tool's value, or why there is none (and the row goes on)
+    hung = ERROR_PREFIX + "the tool capital took more than 2 s (rollout.tool_timeout_seconds); stopped"
+    told = {
+        "france": ['{"capital": "Paris"}'],
+        "italy": ['{"capital": "Rome"}', hung],
+        "norway": [ERROR_PREFIX + "LookupError: no capital on file for norway"],
+    }
+    asked = Counter()
     for r in conversations:
         messages = json.loads(r["messages"])
         validate(messages)  # OpenAI's chat format, as the openai package types it
@@ -462,9 +480,12 @@ def test_a_rollout_then_a_function_step_keep_each_conversation_once_through_kill
             len(calls) == r["tool_calls"] == len(results)
             and sum(m["role"] == "assistant" for m in messages) == r["turns"]
         )
-        for call in calls:  # each result the tool's value for the call's arguments
+        for call in calls:  # each result the tool's for the call's arguments
             country = json.loads(call["function"]["arguments"])["country"]
-            assert json.loads(results[call["id"]]) == {"capital": capitals[country]}, (call, results)
+            assert results[call["id"]] in told[country], (call, results)
+            asked[results[call["id"]]] += 1
+    # a tool that raised, one that hung (each job's first call for Italy: the killed one's may be saved)
+    assert asked[told["norway"][0]] > 0 and asked[hung] in (1, 2), asked
     solve_stats = json.loads(solve.shard_stats("00000").read_text())
     killed, finished = solve_stats["attempts"]
     assert killed["outcome"] is None and finished["outcome"] == "committed"
@@ -472,7 +493,7 @@ def test_a_rollout_then_a_function_step_keep_each_conversation_once_through_kill
     assert solve_stats["feed"]["rollout"]["rows"] == rows - saved, "the saved conversations were not run again"
     # the preflight's example call, then each conversation's calls: those of the killed job's unsaved ones twice
     recorded = [json.loads(line) for line in tool_calls.read_text().splitlines()]
-    assert recorded[0] == "italy" and len(recorded) - 1 >= sum(r["tool_calls"] for r in conversations)
+    assert recorded[0] == "france" and len(recorded) - 1 >= sum(r["tool_calls"] for r in conversations)
 
     made = pq.read_table(verify.merged("parquet")).to_pylist()  # every row, with its function's columns
     assert [r["id"] for r in made] == [f"r{i:05d}" for i in range(rows)]

@@ -80,6 +80,28 @@ def test_a_missing_object_a_glob_of_none_and_a_wrong_endpoint_are_named(tmp_path
         build_manifest(config(tmp_path, ["s3://named/a.parquet"], "http://127.0.0.1:9"))
 
 
+def test_missing_credentials_are_named_when_the_run_plans(tmp_path, s3_server, monkeypatch):
+    """No credentials where AWS tools look (the environment, the shared files, an instance role): the
+    client sends its requests unsigned, which the store answers with 403, as S3 does for a private
+    bucket (the proxy). Planning, on the login node before any job, names the objects and where
+    credentials are read from."""
+    from tests.s3faults import FaultProxy
+
+    client = s3_bucket(s3_server, "private")
+    client.put_object(Bucket="private", Key="data/part-0.parquet", Body=parquet_bytes(make_rows(3)))
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    with FaultProxy(s3_server, signed_only=True) as proxy:
+        with pytest.raises(InputError) as e:
+            build_manifest(config(tmp_path, ["s3://private/data/*.parquet"], proxy.url))
+        assert proxy.denied, proxy.seen
+    said = str(e.value)
+    assert "'s3://private/data/*.parquet'" in said, said
+    assert "AWS_ACCESS_KEY_ID" in said and "~/.aws/credentials" in said, said
+
+
 def test_credentials_in_storage_options_are_refused_naming_the_key(tmp_path, s3_server):
     raw = {"input": {"parquet": ["s3://b/x.parquet"], "storage_options": {"endpoint_url": s3_server}},
            "prompt": {"template": "{{ topic }}"}, "model": {"model": "m"}}  # fmt: skip
