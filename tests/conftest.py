@@ -150,14 +150,25 @@ def in_tmp(tmp_path: Path):
     os.chdir(old)
 
 
-# -- A suite that cannot pass with a whole category missing ------------------------------------------
+# -- The suite in two processes (make test) -------------------------------------------------------
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests that use the session engine run in one process, so it is started once."""
+    """The tests that use the session engine run in one process, so it is started once; pytest-xdist
+    starts that group first (the scope of most tests). Then the longest kinds first, Slurm runs, then
+    the other engine tests, so that neither process is left with a long test at the end while the
+    other has nothing to do."""
     for item in items:
         if "engine" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("session-engine"))
+
+    def rank(item) -> int:
+        return 0 if item.get_closest_marker("slurm") else 1 if item.get_closest_marker("engine") else 2
+
+    items.sort(key=rank)  # stable: each kind in the order collected
+
+
+# -- A suite that cannot pass with a whole category missing ------------------------------------------
 
 
 def pytest_addoption(parser):
