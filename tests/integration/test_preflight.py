@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,7 +13,7 @@ import pytest
 from shardgen.cli import main
 from shardgen.plan import write_manifest
 from tests.conftest import base_config, changed, make_rows, write_parquet
-from tests.integration.workflow import run_bounded, run_workflow, workflow_config
+from tests.integration.workflow import run_bounded, run_workflow, slurm_jobs, workflow_config
 
 
 def preflight(tmp_path, capsys, rows=None, id_column=None, sampling_column=None, **overrides) -> tuple[int, str]:
@@ -239,12 +238,6 @@ SLURM_CASES = {
 }
 
 
-def _slurm_jobs() -> set[str]:
-    """The jobs Slurm knows, finished ones included until MinJobAge after they end."""
-    r = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True, check=True)
-    return set(r.stdout.split())
-
-
 @pytest.mark.slurm
 @pytest.mark.parametrize("case", sorted(SLURM_CASES))
 def test_a_mistake_stops_the_slurm_run_before_any_job_is_submitted(tmp_path, model_dir, case, slurm_cluster):
@@ -260,14 +253,13 @@ def test_a_mistake_stops_the_slurm_run_before_any_job_is_submitted(tmp_path, mod
             config["input"]["id_column"] = "id"
         else:
             config[key] = {**config.get(key, {}), **value}
-    before = _slurm_jobs()
     r = run_workflow(tmp_path, config, "slurm", check=False)
     out = r.stdout + r.stderr
     assert r.returncode != 0
     for said in [message] if isinstance(message, str) else message:
         assert said in out, out[-3000:]
-    # earlier tests' jobs may leave the queue meanwhile; none may join it
-    assert _slurm_jobs() - before == set(), "a job was submitted to Slurm"
+    # (from this run's directory: the other process of `make test` submits jobs meanwhile)
+    assert slurm_jobs(tmp_path) == {}, "a job was submitted to Slurm"
     assert "submitted with SLURM jobid" not in out
     assert not (tmp_path / "results" / "shards").exists()
 
@@ -288,12 +280,11 @@ def test_a_result_column_added_by_a_config_change_after_planning_stops_the_run_b
     run_workflow(tmp_path, config, "slurm", "--until", "preflight")  # planned and checked, nothing submitted
     manifest = (tmp_path / "results" / "plan" / "manifest.json").stat().st_mtime_ns
     config["sampling"] = {**config["sampling"], "structured_outputs": {"choice": ["yes", "no"]}}
-    before = _slurm_jobs()
     r = run_workflow(tmp_path, config, "slurm", check=False)
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "has the column(s) ['label'], which this config's output also has" in out, out[-3000:]
     assert (tmp_path / "results" / "plan" / "manifest.json").stat().st_mtime_ns == manifest, "not planned again"
-    assert _slurm_jobs() - before == set() and "submitted with SLURM jobid" not in out
+    assert slurm_jobs(tmp_path) == {} and "submitted with SLURM jobid" not in out
 
 
 @pytest.mark.parametrize(
