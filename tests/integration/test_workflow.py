@@ -264,16 +264,32 @@ def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_tok
     assert shared == [], f"other users may read {shared} (output.world_readable is false)"
 
 
+# The steps test's function: a line per call (the row's id and sample), and one sample of each row turned down.
+CHECK = """\
+import json
+
+CALLS = {calls!r}
+
+
+def check(row):
+    with open(CALLS, "a") as f:
+        f.write(json.dumps([row["id"], row["sample_index"]]) + "\\n")
+    return {{"keep": row["sample_index"] != 2}}
+"""
+
+
 @pytest.mark.slurm
 def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoes_only_what_changed(
     tmp_path, slurm_cluster
 ):
-    """A run of two steps through the Slurm profile, with the real engine: four seeded samples per
-    row (draft), then the test reward model on each (judge) with ``select.best_of``. The run is stopped
-    (Ctrl-C) once the judge committed a shard; the rerun redoes no shard of the draft and not that
-    one. The output has every input row once, with the sample the judge scored highest; each step's
-    own output every row it made. A change of the judge's prompt reruns the judge's jobs alone; a
-    change of the last select, the selection alone (pairs: the best and worst sample of each row)."""
+    """A run of three steps through the Slurm profile, with the real engine: four seeded samples per
+    row (draft), a Python function on each sample in CPU jobs (check, ``keep_if``: it turns down one
+    sample of each row), then the test reward model on the samples it kept (judge) with
+    ``select.best_of``. The run is stopped (Ctrl-C) once the judge committed a shard; the rerun redoes
+    no shard of the draft or the check and not that one. The function ran once per sample; the output
+    has every input row once, with the kept sample the judge scored highest; each step's own output
+    every row it made. A change of the judge's prompt reruns the judge's jobs alone; a change of the
+    last select, the selection alone (pairs: the best and worst sample of each row)."""
     rows = 6
     write_parquet(tmp_path / "data" / "in.parquet", make_rows(rows))
     config = workflow_config({"parquet": [str(tmp_path / "data" / "in.parquet")], "id_column": "id"},
@@ -281,21 +297,27 @@ def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoe
     config.pop("sampling")
     reward = {**TEST_MODEL_CFG, "model": str(ROOT / "models" / "reward")}
     judge_prompt = {"template": "Question: What is {{ topic }}?\nAnswer: {{ generation }}", "chat": False}
+    calls = tmp_path / "check-calls"
+    (tmp_path / "check.py").write_text(CHECK.format(calls=str(calls)))
+    check = {"path": "check.py", "name": "check", "columns": {"keep": "bool"}, "processes": 1}
     config["steps"] = [
         {"name": "draft", "sampling": {"n": 4, "seed": 7, "temperature": 1.0, "max_tokens": 8}},
+        {"name": "check", "function": check, "select": {"keep_if": "keep"},
+         "resources": {"cpus_per_task": 1, "mem_mb": 1000, "runtime": 5}},
         {"name": "judge", "task": "reward", "model": reward, "prompt": judge_prompt,
          "select": {"best_of": {"by": "reward"}}},
     ]  # fmt: skip
     out = tmp_path / "results"
-    draft, judge = RunDir(out / "steps" / "draft"), RunDir(out / "steps" / "judge")
+    draft, checked, judge = (RunDir(out / "steps" / name) for name in ("draft", "check", "judge"))
     run = Background(tmp_path, config, "slurm")
 
     def finished(step: str) -> set[str]:
         return finished_shards(run.output(), f"{step}_generate_shard")
 
-    run.wait_until(lambda: len(finished("draft")) == 2 and finished("judge"), 600, "the draft, and a judge shard")
+    run.wait_until(lambda: len(finished("draft")) == len(finished("check")) == 2 and finished("judge"), 600,
+                   "the draft, the check, and a judge shard")  # fmt: skip
     judged = [p for s in finished("judge") for p in (judge.shard_file(s), judge.shard_stats(s))]
-    done = [*draft.shards.glob("*"), *judged]
+    done = [*draft.shards.glob("*"), *checked.shards.glob("*"), *judged]
     before = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in done}
     run.proc.send_signal(signal.SIGINT)  # what Ctrl-C does: the run's jobs are cancelled
     run.proc.wait(120)
@@ -309,14 +331,19 @@ def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoe
     text = run_workflow(tmp_path, config, "slurm").stdout
     kept = {p for p, key in before.items() if p.exists() and (p.stat().st_ino, p.stat().st_mtime_ns) == key}
     assert kept == set(before), f"redone after the stop: {sorted(set(before) - kept)}"
-    assert not any("draft_generate_shard" in line for line in text.splitlines() if "rule " in line)
-    for shard in ("00000", "00001"):  # each draft shard made once
+    assert not any(f"{step}_generate_shard" in line for line in text.splitlines() if "rule " in line
+                   for step in ("draft", "check"))  # fmt: skip
+    for shard in ("00000", "00001"):  # each draft and check shard made once
         assert len(json.loads(draft.shard_stats(shard).read_text())["attempts"]) == 1
+        assert len(json.loads(checked.shard_stats(shard).read_text())["attempts"]) == 1
+    samples = {(f"r{i:05d}", s) for i in range(rows) for s in range(4)}
+    called = Counter(tuple(c) for c in map(json.loads, calls.read_text().splitlines()) if c[0])  # (the preflight's
+    assert called == dict.fromkeys(samples, 1), called  # call is on a row of the columns' types: an empty id)
 
     # raw scores, not probabilities
-    judged = pq.read_table(judge.merged("parquet")).to_pylist()  # every sample judged, with the draft's columns
-    assert len(judged) == rows * 4 and DROPPED not in judged[0]
-    assert {(r["id"], r["sample_index"]) for r in judged} == {(f"r{i:05d}", s) for i in range(rows) for s in range(4)}
+    judged = pq.read_table(judge.merged("parquet")).to_pylist()  # every sample kept, with the draft's columns
+    assert len(judged) == rows * 3 and DROPPED not in judged[0]
+    assert {(r["id"], r["sample_index"]) for r in judged} == {(i, s) for i, s in samples if s != 2}
     assert all(r["generation"] and r["error"] is None for r in judged)
     assert any(r["reward"] < 0 or r["reward"] > 1 for r in judged) and len({r["reward"] for r in judged}) > 1
     best = {}
@@ -330,20 +357,21 @@ def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoe
     ], "the sample the judge scored highest"
     stats = json.loads((out / "stats.json").read_text())
     assert [(s["name"], s["rows"], s["rows_passed_on"]) for s in stats["steps"]] == [
-        ("draft", rows, rows * 4), ("judge", rows * 4, rows)
+        ("draft", rows, rows * 4), ("check", rows * 4, rows * 3), ("judge", rows * 3, rows)
     ]  # fmt: skip
     assert stats["gpu_hours"] == pytest.approx(sum(s["gpu_hours"] for s in stats["steps"])) and stats["gpu_hours"] > 0
-    assert [s["name"] for s in stats["provenance"]["steps"]] == ["draft", "judge"]
-    assert stats["steps"][1]["span_s"] > 0 and stats["steps"][1]["start_after_input_p50_s"] is not None
+    assert stats["steps"][1]["gpu_hours"] == 0
+    assert [s["name"] for s in stats["provenance"]["steps"]] == ["draft", "check", "judge"]
+    assert stats["steps"][2]["span_s"] > 0 and stats["steps"][2]["start_after_input_p50_s"] is not None
     assert "step judge" in text and f"{rows} output rows" in text
     status = subprocess.run([str(BIN / "shardgen"), "status", "--dir", str(out)], capture_output=True, text=True)
     assert "step draft:" in status.stdout and "step judge:" in status.stdout, status.stdout + status.stderr
 
-    changed = {**config, "steps": [config["steps"][0], {**config["steps"][1], "prompt": {
+    changed = {**config, "steps": [*config["steps"][:2], {**config["steps"][2], "prompt": {
         **judge_prompt, "template": "Answer: {{ generation }}"}}]}  # fmt: skip
     jobs = dry_run_jobs(tmp_path, changed)
-    assert jobs.get("judge_generate_shard") == 2 and not any(j.startswith("draft_") for j in jobs), jobs
-    pairs = {**config, "steps": [config["steps"][0], {**config["steps"][1], "select": {"pairs": {"by": "reward"}}}]}
+    assert jobs.get("judge_generate_shard") == 2 and not any(j.startswith(("draft_", "check_")) for j in jobs), jobs
+    pairs = {**config, "steps": [*config["steps"][:2], {**config["steps"][2], "select": {"pairs": {"by": "reward"}}}]}
     assert dry_run_jobs(tmp_path, pairs) == {"select_output": 1, "all": 1}
     run_workflow(tmp_path, pairs, "local")
     chosen = pq.read_table(out / "output.parquet").to_pylist()

@@ -21,8 +21,9 @@ from tests.conftest import ROOT, SLURM_PARTITION, TEST_MODEL_CFG
 
 BIN = Path(sys.executable).parent
 # The longest a workflow run of the suite may take before it is taken for hung: its processes' stacks
-# are dumped and it is killed. The slowest run here (the two-node test's) takes under 4 minutes on a
-# 2-core machine with AVX-512, and may take 2.5 times that on an AVX2-only one.
+# are dumped and it is killed. The slowest run here (the two-node test's) takes under 5 minutes on a
+# 2-core machine with AVX-512 beside the other process of `make test`, and may take 2.5 times that on
+# an AVX2-only one.
 RUN_BOUND_S = 900.0
 # snakemake, polling Slurm every few seconds (snakemake_polled.py says why)
 SNAKEMAKE = [sys.executable, str(Path(__file__).with_name("snakemake_polled.py"))]
