@@ -337,8 +337,9 @@ def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoe
         assert len(json.loads(draft.shard_stats(shard).read_text())["attempts"]) == 1
         assert len(json.loads(checked.shard_stats(shard).read_text())["attempts"]) == 1
     samples = {(f"r{i:05d}", s) for i in range(rows) for s in range(4)}
-    called = Counter(tuple(c) for c in map(json.loads, calls.read_text().splitlines()) if c[0])  # (the preflight's
-    assert called == dict.fromkeys(samples, 1), called  # call is on a row of the columns' types: an empty id)
+    # once per sample (the preflight's call is on a row of the columns' types: an empty id)
+    called = Counter(tuple(c) for c in map(json.loads, calls.read_text().splitlines()) if c[0])
+    assert called == dict.fromkeys(samples, 1), called
 
     # raw scores, not probabilities
     judged = pq.read_table(judge.merged("parquet")).to_pylist()  # every sample kept, with the draft's columns
@@ -380,7 +381,6 @@ def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoe
                and p["chosen"]["sample_index"] == best[p["chosen"]["id"]]["sample_index"] for p in chosen)  # fmt: skip
 
 
-# The rollout's tool: each call recorded, the capital of a country as JSON.
 # The rollout's tool: a line per call; it raises for Norway, and hangs on a job's first call for Italy.
 CAPITAL = """\
 import json
