@@ -8,11 +8,7 @@ is the regime of a GPU running a small model or short outputs (a label is 1
 to 8 tokens), where the feed, not the GPU, bounds a job.
 
 For each ``max_num_seqs`` (vLLM's offline default is 1024 on H100/H200, 256
-on smaller GPUs) one engine runs four kinds of rows, each through
-shardgen's ``run_shard`` (reading the Parquet shard, rendering, tokenizing,
-feeding, checkpointing, writing the shard and its stats) and through
-``LLM.chat`` on the same conversations and ``SamplingParams``, alternating,
-after one warm-up of each:
+on smaller GPUs), four kinds of rows go through both sides:
 
 - ``text``: free text, 4 tokens;
 - ``choice``: a label of three with ``output.choice_probs`` (the labels'
@@ -20,12 +16,21 @@ after one warm-up of each:
 - ``json``: a small JSON schema;
 - ``n4``: four samples per row.
 
+vLLM's side is an engine started as a user's script starts it (``vllm.LLM`` with
+the same model arguments and vLLM's defaults: stats logging off), running
+``LLM.chat`` on the conversations and ``LLM.generate`` on them rendered by the
+chat template, alternating, after one warm-up of each. shardgen's side is the
+engine a job starts (stats logging on: each request's time to first token),
+running ``run_shard`` (reading the Parquet shard, rendering, tokenizing,
+feeding, checkpointing, writing the shard and its stats). One engine runs at a
+time; both get the same ``SamplingParams``.
+
 The result is the ratio of rows/s (median of the repeats); ``steps_short``
 counts engine steps that ran short of requests after the first, which a
 feed that keeps up never has. A profile of the feed (the top functions of
 one shardgen run) shows where its time goes.
 
-Usage: python bench/feed.py [--size smoke|full] [--rows N] [--out DIR]
+Usage: python bench/feed.py [--size smoke|full] [--rows N] [--kinds KIND ...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -124,68 +129,110 @@ def run_config(data: Path, out: Path, n: int, sampling: dict, output: dict, mode
     )
 
 
-def measure_kind(engine: Engine, kind: str, model: dict, work: Path, size: Size) -> dict:
+@dataclass
+class Case:
+    """One kind of rows, ready for both sides: its shard, its config and the conversations."""
+
+    kind: str
+    config: RunConfig
+    manifest: Path
+    conversations: list
+    work: Path
+
+
+def prepare(kind: str, model: dict, work: Path, size: Size) -> Case:
     sampling, output = KINDS[kind]
     data = work / f"{kind}.parquet"
     pq.write_table(pa.Table.from_pylist(rows(size.rows)), data)
     config = run_config(data, work / f"{kind}-out", size.rows, sampling, output, model)
     manifest = work / f"{kind}-manifest.json"
     write_manifest(config, manifest)
-    # LLM.chat gets the same conversations and the same SamplingParams the task makes
     renderer = PromptRenderer.from_config(config.prompt)
-    conversations = [renderer.render(r) for r in rows(size.rows)]
-    params = GenerateTask(config, engine.tokenizer()).sampling
+    return Case(kind, config, manifest, [renderer.render(r) for r in rows(size.rows)], work)
 
+
+def timed(paths: dict, size: Size) -> tuple[dict, dict]:
+    """Each path once to warm up (structured-output grammars, the allocator), then the repeats,
+    alternating: rows/s and the cores each process kept busy, per run."""
+    for run in paths.values():
+        run("warm")
+    rates: dict[str, list[float]] = {p: [] for p in paths}
+    busy: dict[str, list[dict[str, float]]] = {p: [] for p in paths}
+    for i in range(size.repeats):
+        for path, run in paths.items():
+            with CpuShare() as share:
+                t = time.perf_counter()
+                run(str(i))
+                rates[path].append(size.rows / (time.perf_counter() - t))
+            busy[path].append(share.result)
+    return rates, busy
+
+
+def measure_vllm(llm, case: Case, size: Size) -> dict:
+    """``LLM.chat`` on the conversations, and ``LLM.generate`` on them rendered by the chat template
+    (as a user who renders prompts themselves), with the ``SamplingParams`` shardgen's task makes."""
+    params = GenerateTask(case.config, Engine(llm).tokenizer()).sampling
+    tokenizer = llm.get_tokenizer()
     texts: dict[str, list] = {}
 
-    def vllm_chat() -> float:
-        t = time.perf_counter()
-        outs = engine.llm.chat(conversations, params, use_tqdm=False)
+    def chat(_: str) -> None:
+        outs = llm.chat(case.conversations, params, use_tqdm=False)
         texts["vllm_chat"] = [[o.text for o in out.outputs] for out in outs]
-        return size.rows / (time.perf_counter() - t)
 
+    def generate(_: str) -> None:
+        prompts = tokenizer.apply_chat_template(case.conversations, add_generation_prompt=True, tokenize=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        texts["vllm_generate"] = [[o.text for o in out.outputs] for out in outs]
+
+    rates, busy = timed({"vllm_chat": chat, "vllm_generate": generate}, size)
+    return {"rates": rates, "busy": busy, "texts": texts}
+
+
+def measure_shardgen(engine: Engine, case: Case, size: Size) -> dict:
+    """shardgen's ``run_shard``: the Parquet shard read, rendered, tokenized, fed, checkpointed, written."""
+    texts: dict[str, list] = {}
     feeds = []
 
-    def shardgen(tag: str) -> float:
-        t = time.perf_counter()
-        stats = run_shard(config, manifest, "00000", work / f"{tag}.parquet", work / f"{tag}.json", JobContext(engine))
-        rate = size.rows / (time.perf_counter() - t)
+    def shardgen(tag: str) -> None:
+        out, stats_path = case.work / f"{case.kind}-{tag}.parquet", case.work / f"{case.kind}-{tag}.json"
+        stats = run_shard(case.config, case.manifest, "00000", out, stats_path, JobContext(engine))
         feeds.append(stats["feed"])
-        table = pq.read_table(work / f"{tag}.parquet", columns=["row_index", "generation"]).to_pylist()
         by_row: dict[int, list] = {}
-        for r in table:
+        for r in pq.read_table(out, columns=["row_index", "generation"]).to_pylist():
             by_row.setdefault(r["row_index"], []).append(r["generation"])
         texts["shardgen"] = [by_row[i] for i in range(size.rows)]
-        return rate
 
-    vllm_chat()  # warm-up of both paths: structured-output grammars, allocator
-    shardgen(f"{kind}-warm")
-    runs: dict[str, list[float]] = {"vllm_chat": [], "shardgen": []}
-    busy: dict[str, list[dict[str, float]]] = {"vllm_chat": [], "shardgen": []}
-    for i in range(size.repeats):
-        for path, run in (("vllm_chat", vllm_chat), ("shardgen", lambda i=i: shardgen(f"{kind}-{i}"))):
-            with CpuShare() as share:
-                runs[path].append(run())
-            busy[path].append(share.result)
-    chat, ours = statistics.median(runs["vllm_chat"]), statistics.median(runs["shardgen"])
-    cores = {k: {p: statistics.median(b[p] for b in v) for p in v[0]} for k, v in busy.items()}
+    rates, busy = timed({"shardgen": shardgen}, size)
     return {
-        "vllm_chat_rows_per_s": round(chat, 1),
-        "shardgen_rows_per_s": round(ours, 1),
-        "ratio": round(ours / chat, 3),
-        "runs": {k: [round(x, 1) for x in v] for k, v in runs.items()},
-        # greedy kinds: both paths must give every row the same text (n4 samples, unseeded)
-        "same_text": texts["shardgen"] == texts["vllm_chat"] if sampling.get("temperature") == 0 else None,
-        # cores each process kept busy (CPU seconds per second): where the time went
-        "busy": {k: {p: round(x, 2) for p, x in v.items()} for k, v in cores.items()},
-        # the frontend's CPU time per row: what the feed itself costs, whatever bounds the engine
-        "frontend_ms_per_row": {
-            "vllm_chat": round(1000 * cores["vllm_chat"]["frontend"] / chat, 3),
-            "shardgen": round(1000 * cores["shardgen"]["frontend"] / ours, 3),
-        },
+        "rates": rates,
+        "busy": busy,
+        "texts": texts,
         # engine steps short of requests after the first one (the first starts from an empty queue)
         "steps_short": max(max(f["steps_short"] - 1, 0) for f in feeds[1:]),
         "window": feeds[-1]["window"],
+    }
+
+
+def compare(case: Case, vllm_side: dict, ours: dict) -> dict:
+    rates = {**vllm_side["rates"], **ours["rates"]}
+    busy = {**vllm_side["busy"], **ours["busy"]}
+    texts = {**vllm_side["texts"], **ours["texts"]}
+    median = {k: statistics.median(v) for k, v in rates.items()}
+    cores = {k: {p: statistics.median(b[p] for b in v) for p in v[0]} for k, v in busy.items()}
+    greedy = KINDS[case.kind][0].get("temperature") == 0
+    return {
+        **{f"{k}_rows_per_s": round(v, 1) for k, v in median.items()},
+        "ratio": round(median["shardgen"] / median["vllm_chat"], 3),
+        "ratio_generate": round(median["shardgen"] / median["vllm_generate"], 3),
+        "runs": {k: [round(x, 1) for x in v] for k, v in rates.items()},
+        # greedy kinds: every path must give every row the same text (n4 samples, unseeded)
+        "same_text": (texts["shardgen"] == texts["vllm_chat"] == texts["vllm_generate"]) if greedy else None,
+        # cores each process kept busy (CPU seconds per second): where the time went
+        "busy": {k: {p: round(x, 2) for p, x in v.items()} for k, v in cores.items()},
+        # the frontend's CPU time per row: what the feed itself costs, whatever bounds the engine
+        "frontend_ms_per_row": {k: round(1000 * cores[k]["frontend"] / median[k], 3) for k in median},
+        "steps_short": ours["steps_short"],
+        "window": ours["window"],
     }
 
 
@@ -237,6 +284,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="full")
     ap.add_argument("--rows", type=int, help="rows per run instead of the size's")
+    ap.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS), help="kinds of rows to run")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     size = SIZES[args.size]
@@ -245,24 +293,38 @@ def main() -> None:
     if not (TOY / "config.json").exists():
         sys.exit(f"the toy model is missing at {TOY}: run `make setup`")
     clear_thread_env()
+    from vllm import LLM
+
     results: dict = {}
     profile: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for seqs in size.max_num_seqs:
             model = model_config(seqs)
+            work = Path(tmp) / f"seqs-{seqs}"
+            work.mkdir()
+            cases = {kind: prepare(kind, model, work, size) for kind in args.kinds}
+            # vLLM as a user's script starts it: its own defaults (stats logging off)
+            vllm_args = {k: v for k, v in EngineSettings(model=model).kwargs.items() if k != "disable_log_stats"}
+            llm = LLM(**vllm_args)
+            try:
+                vllm_side = {kind: measure_vllm(llm, case, size) for kind, case in cases.items()}
+            finally:
+                llm.llm_engine.engine_core.shutdown()
+                del llm
+            # shardgen's engine, as a job starts it (the same model arguments)
             engine = Engine()
             engine.start(EngineSettings(model=model))
             try:
-                work = Path(tmp) / f"seqs-{seqs}"
-                work.mkdir()
-                results[str(seqs)] = {kind: measure_kind(engine, kind, model, work, size) for kind in KINDS}
-                if seqs == max(size.max_num_seqs):
+                ours = {kind: measure_shardgen(engine, case, size) for kind, case in cases.items()}
+                if seqs == max(size.max_num_seqs) and "text" in cases:
                     profile = profile_feed(engine, model, work, size)
             finally:
                 engine.close()
+            results[str(seqs)] = {kind: compare(case, vllm_side[kind], ours[kind]) for kind, case in cases.items()}
     result = {
-        "what": "rows/s on the toy model (feed-bound): shardgen's run_shard against vLLM's LLM.chat, same rows, "
-        "same SamplingParams, same engine, alternating; median of the repeats",
+        "what": "rows/s on the toy model (feed-bound): shardgen's run_shard on its engine against vLLM's LLM.chat "
+        "and LLM.generate on an engine with vLLM's defaults, same model arguments, rows and SamplingParams; "
+        "median of the repeats",
         "size": args.size,
         "rows": size.rows,
         "repeats": size.repeats,
@@ -278,20 +340,21 @@ def main() -> None:
 def markdown(r: dict) -> str:
     lines = [
         f"vLLM {r['vllm']}, {r['machine']}, {r['date']}; {r['rows']} rows per run, median of {r['repeats']}; "
-        "toy model (one layer of width 64): the feed bounds the job.\n",
-        "| max_num_seqs | rows | LLM.chat rows/s | shardgen rows/s | ratio | same text | frontend CPU ms/row "
-        "(LLM.chat; shardgen) | cores busy: frontend / engine core / worker (LLM.chat; shardgen) | "
-        "steps short of requests |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "toy model (one layer of width 64): the feed bounds the job. `python bench/feed.py`\n",
+        "| max_num_seqs | rows | `LLM.chat` rows/s | `LLM.generate` rows/s | shardgen rows/s | ÷ chat | ÷ generate | "
+        "same text | frontend CPU ms/row (chat; generate; shardgen) | cores busy: frontend / engine core / worker "
+        "(chat; shardgen) | steps short of requests |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for seqs, kinds in r["max_num_seqs"].items():
         for kind, m in kinds.items():
             b = {k: " / ".join(f"{v:.2f}" for v in m["busy"][k].values()) for k in ("vllm_chat", "shardgen")}
             same = {True: "yes", False: "**no**", None: "(sampled)"}[m["same_text"]]
+            ms = "; ".join(f"{m['frontend_ms_per_row'][k]:.3f}" for k in ("vllm_chat", "vllm_generate", "shardgen"))
             lines.append(
-                f"| {seqs} | {kind} | {m['vllm_chat_rows_per_s']:.0f} | {m['shardgen_rows_per_s']:.0f} | "
-                f"**{m['ratio']:.3f}** | {same} | {m['frontend_ms_per_row']['vllm_chat']:.3f}; "
-                f"{m['frontend_ms_per_row']['shardgen']:.3f} | {b['vllm_chat']}; {b['shardgen']} | {m['steps_short']} |"
+                f"| {seqs} | {kind} | {m['vllm_chat_rows_per_s']:.0f} | {m['vllm_generate_rows_per_s']:.0f} | "
+                f"{m['shardgen_rows_per_s']:.0f} | **{m['ratio']:.3f}** | {m['ratio_generate']:.3f} | {same} | {ms} | "
+                f"{b['vllm_chat']}; {b['shardgen']} | {m['steps_short']} |"
             )
     if r["profile_top"]:
         lines += ["", f"Profile of one shardgen run (text rows, {r['rows']} rows; cumulative seconds):", ""]

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Seconds a job's engine gets to end on its own once the job is done with it (Engine.close).
+STOP_WAIT_SECONDS = 1.0
+
 # Keys of `model` in the config that are ours, not vllm.LLM arguments.
 _NOT_ENGINE_ARGS = {"extra", "allow_unsafe_engine_args", "batch_invariant"}
 
@@ -253,6 +256,7 @@ class Engine:
         self._kwargs: dict[str, Any] | None = None
         self.starts = 0  # engines this handle started
         self._workers: Any = None  # multinode.Workers of an engine over several nodes
+        self._counters = count_instead_of_prometheus(llm)
 
     @property
     def running(self) -> bool:
@@ -263,7 +267,7 @@ class Engine:
         weights, KV cache, CUDA graphs). An engine this handle started with other settings (a shard
         whose earlier attempts ran out of memory takes lower ones) is stopped and started again."""
         if self.llm is not None and self._owned and settings.kwargs != self._kwargs:
-            self.close()
+            self.close(wait=None)  # the next engine needs the memory this one holds: let it release it
         if self.llm is None:
             from vllm import LLM
 
@@ -280,6 +284,7 @@ class Engine:
             self._kwargs = settings.kwargs
             self.starts += 1
             _fail_when_engine_core_dies(self.llm)
+            self._counters = count_instead_of_prometheus(self.llm)
         return self.llm
 
     @property
@@ -301,14 +306,24 @@ class Engine:
         if self._workers is not None:
             self._workers.stop()
 
-    def close(self) -> None:
+    def close(self, wait: float | None = STOP_WAIT_SECONDS) -> None:
         """Stop the engine's processes now, if this handle started them.
 
         Left to exit handlers, the engine core process can outlive its parent's
         join at exit and hang the process (seen with vLLM 0.32 on the CPU build).
+
+        Args:
+            wait: seconds the engine's processes get to end after SIGTERM before they are killed
+                (vLLM's ``MPClient.shutdown(timeout)``, v1/utils.py ``shutdown``: SIGTERM, join, then
+                ``kill_process_tree``); None: vLLM's own 5 s. A job stops its engine once its rows are
+                committed, when nothing the engine holds is needed: its graceful end (the workers'
+                teardown, then the engine core's) took 5 s of a one-minute job (bench/overhead.py).
         """
         if self.llm is not None and self._owned:
-            self.llm.llm_engine.engine_core.shutdown()
+            if wait is not None:
+                log.info("stopping the engine: its processes are killed if they have not ended in %.0f s (Python's "
+                         "resource tracker then frees the shared memory they held, and says so)", wait)  # fmt: skip
+            self.llm.llm_engine.engine_core.shutdown(timeout=wait)
             self.llm = None
             self._stop_workers()
 
@@ -331,27 +346,74 @@ class Engine:
 
     def counters(self) -> dict[str, float]:
         """The engine's cumulative counters now (empty when stats logging is off)."""
-        try:
-            metrics = self.llm.get_metrics()
-        except Exception:  # noqa: BLE001 - stats logging off, or an engine without metrics
-            return {}
-        out: dict[str, float] = {}
-        for m in metrics:
-            name = ENGINE_COUNTERS.get(m.name)
-            if name is not None and hasattr(m, "value"):
-                out[name] = out.get(name, 0) + m.value
-        return out
+        return dict(self._counters.totals) if self._counters is not None else {}
 
 
-# Engine-wide counters (Prometheus, from ``LLM.get_metrics()``) that stats take deltas of.
-ENGINE_COUNTERS = {
-    "vllm:num_preemptions": "preemptions",
-    "vllm:prefix_cache_queries": "prefix_cache_queries",
-    "vllm:prefix_cache_hits": "prefix_cache_hits",
-    "vllm:spec_decode_num_drafts": "spec_decode_drafts",
-    "vllm:spec_decode_num_draft_tokens": "spec_decode_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "spec_decode_accepted_tokens",
-}
+class EngineCounters:
+    """The engine-wide counters a shard's stats take deltas of, summed from each engine step's stats,
+    in place of vLLM's Prometheus logger.
+
+    With stats logging on (what gives each request its metrics: time to first token), ``LLMEngine``
+    records every step into Prometheus histograms and gauges: a dozen ``observe`` calls per finished
+    request, 13% of the frontend's time where the feed bounds a job (bench/feed.py's profile). A job
+    serves no ``/metrics``; these six sums are all shardgen reads. It is one of the engine's stat
+    loggers (vllm/v1/metrics/loggers.py: ``StatLoggerManager.record`` calls ``record`` of each, and
+    ``log`` every ``VLLM_LOG_STATS_INTERVAL``), beside vLLM's log line of throughput.
+    """
+
+    def __init__(self) -> None:
+        self.totals = dict.fromkeys(
+            (
+                "preemptions",
+                "prefix_cache_queries",
+                "prefix_cache_hits",
+                "spec_decode_drafts",
+                "spec_decode_draft_tokens",
+                "spec_decode_accepted_tokens",
+            ),
+            0,
+        )
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0):
+        t = self.totals
+        if iteration_stats is not None:
+            t["preemptions"] += iteration_stats.num_preempted_reqs
+        if scheduler_stats is not None:
+            t["prefix_cache_queries"] += scheduler_stats.prefix_cache_stats.queries
+            t["prefix_cache_hits"] += scheduler_stats.prefix_cache_stats.hits
+            if (spec := scheduler_stats.spec_decoding_stats) is not None:
+                t["spec_decode_drafts"] += spec.num_drafts
+                t["spec_decode_draft_tokens"] += spec.num_draft_tokens
+                t["spec_decode_accepted_tokens"] += spec.num_accepted_tokens
+
+    def log(self) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        pass
+
+    def record_admission_rejection(self, reason: str) -> None:
+        pass
+
+
+def count_instead_of_prometheus(llm: Any) -> EngineCounters | None:
+    """Put ``EngineCounters`` in the place of the Prometheus logger of a running ``vllm.LLM``; the ones
+    already there on an engine another handle wraps. None where stats logging is off (or ``llm`` is no
+    engine: a test's stand-in)."""
+    manager = getattr(getattr(llm, "llm_engine", None), "logger_manager", None)
+    if manager is None:
+        return None
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    for logger in manager.stat_loggers:
+        if isinstance(logger, EngineCounters):
+            return logger
+    counters = EngineCounters()
+    manager.stat_loggers = [x for x in manager.stat_loggers if not isinstance(x, PrometheusStatLogger)] + [counters]
+    return counters
 
 
 # -- Sampling -------------------------------------------------------------------------------------

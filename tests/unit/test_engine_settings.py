@@ -240,20 +240,26 @@ def test_a_job_on_another_vllm_than_the_supported_one_stops_naming_both(monkeypa
 
 def test_an_engine_the_handle_started_is_started_again_only_for_other_settings_and_a_wrapped_one_never(monkeypatch):
     """A worker runs many shards on one handle: the same settings reuse the engine; a shard whose
-    earlier attempts ran out of memory (lower settings) gets a new one; an engine handed in is kept."""
+    earlier attempts ran out of memory (lower settings) gets a new one, once the old one ended on its
+    own (vLLM's grace: it releases the memory the next one needs); an engine handed in is kept. The
+    job's last stop gives the processes a second before they are killed (its rows are committed)."""
     import types
 
     import vllm
 
-    from shardgen.engine import Engine, EngineSettings
+    from shardgen.engine import STOP_WAIT_SECONDS, Engine, EngineSettings
 
-    started, stopped = [], []
+    started, stopped, waits = [], [], []
 
     class FakeLLM:
         def __init__(self, **kwargs):
             started.append(kwargs)
-            core = types.SimpleNamespace(shutdown=lambda: stopped.append(kwargs))
-            self.llm_engine = types.SimpleNamespace(engine_core=core)
+
+            def shutdown(timeout=None):
+                stopped.append(kwargs)
+                waits.append(timeout)
+
+            self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=shutdown))
 
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
     base = {"model": "/m", "max_num_seqs": 8}
@@ -264,9 +270,51 @@ def test_an_engine_the_handle_started_is_started_again_only_for_other_settings_a
     assert second is not first and handle.starts == 2 and stopped == [started[0]]
     handle.close()
     assert stopped == started
+    assert waits == [None, STOP_WAIT_SECONDS] and STOP_WAIT_SECONDS <= 2
 
     wrapped = FakeLLM(**base)
     shared = Engine(wrapped)
     assert shared.start(EngineSettings(model={**base, "max_num_seqs": 4})) is wrapped and shared.starts == 0
     shared.close()
     assert len(stopped) == 2, "a wrapped engine is left running"
+
+
+def test_the_engine_counts_what_stats_read_in_place_of_its_prometheus_logger():
+    """Stats logging on (each request's time to first token) records every step into vLLM's Prometheus
+    histograms; a job reads six sums of them. The handle puts its own counters in the Prometheus
+    logger's place (once per engine, however many handles wrap it), beside vLLM's other loggers."""
+    import types
+
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from shardgen.engine import Engine
+
+    prometheus = object.__new__(PrometheusStatLogger)  # the type is what is looked at
+    line = types.SimpleNamespace(name="vLLM's log line")
+    manager = types.SimpleNamespace(stat_loggers=[line, prometheus])
+    llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(logger_manager=manager))
+    engine = Engine(llm)
+    assert manager.stat_loggers[0] is line and len(manager.stat_loggers) == 2
+    (counters,) = manager.stat_loggers[1:]
+    assert Engine(llm).counters() == engine.counters() and manager.stat_loggers[1] is counters, "one per engine"
+
+    def step(hits, queries, preempted, spec=None):
+        scheduler = types.SimpleNamespace(
+            prefix_cache_stats=types.SimpleNamespace(hits=hits, queries=queries), spec_decoding_stats=spec
+        )
+        counters.record(scheduler, types.SimpleNamespace(num_preempted_reqs=preempted), mm_cache_stats=None)
+
+    step(3, 10, 0)
+    step(5, 8, 1, types.SimpleNamespace(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=4))
+    counters.record(None, None)  # a step without stats
+    assert engine.counters() == {
+        "preemptions": 1,
+        "prefix_cache_queries": 18,
+        "prefix_cache_hits": 8,
+        "spec_decode_drafts": 2,
+        "spec_decode_draft_tokens": 6,
+        "spec_decode_accepted_tokens": 4,
+    }
+    counters.log(), counters.log_engine_initialized(), counters.record_sleep_state(1, 0)  # the manager calls them
+    no_stats = types.SimpleNamespace(llm_engine=types.SimpleNamespace(logger_manager=None))
+    assert Engine(no_stats).counters() == {} and Engine(object()).counters() == {}
