@@ -77,6 +77,7 @@ open(args["timing"], "w").write(json.dumps(timing))
 STAMP = re.compile(r"^\[(\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4})\]$")
 START = re.compile(r"^(?:local)?(?:rule|checkpoint) (\w+):$")
 END = re.compile(r"^Finished jobid: \d+ \(Rule: (\w+)\)$")
+STOPPING = re.compile(r"^(\S+ \S+) INFO shardgen\.engine: stopping the engine", re.M)
 
 
 def env() -> dict[str, str]:
@@ -128,15 +129,25 @@ def workflow(d: Path, data: Path, sampling: dict) -> dict:
     if out.returncode:
         raise SystemExit(f"the workflow failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     (stats_file,) = (d / "results" / "shards").glob("*.stats.json")
+    (job_log,) = (d / "results" / "logs" / "generate_shard").glob("*.log")
     stats = json.loads(stats_file.read_text())
     spans = rule_spans(out.stdout + "\n" + out.stderr)
-    job, engine = spans.get("generate_shard", 0.0), stats["engine_start_seconds"]
+    job = spans.get("generate_shard", 0.0)
+    engine, generation = stats["engine_start_seconds"], stats["generation_seconds"]
+    # from the job's log line before it stops its engine (shardgen.engine.Engine.close) to its last line
+    stopping = STOPPING.search(job_log.read_text())
+    after_commit = (
+        job_log.stat().st_mtime - datetime.strptime(stopping.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if stopping
+        else 0.0
+    )
     parts = {f"rule {name}": s for name, s in spans.items() if name != "generate_shard"}
     parts |= {
-        "generate: job start (Python, imports)": max(0.0, job - stats["wall_seconds"]),
+        "generate: Python start (shardgen's imports)": max(0.0, job - stats["wall_seconds"] - after_commit),
+        "generate: vLLM's import, the job's settings, the commit": stats["wall_seconds"] - engine - generation,
         "generate: engine start": engine,
-        "generate: generation": stats["generation_seconds"],
-        "generate: the rest of the job": max(0.0, stats["wall_seconds"] - engine - stats["generation_seconds"]),
+        "generate: generation": generation,
+        "generate: engine stop and exit, after the commit": after_commit,
     }
     parts["Snakemake itself (start, DAG, between jobs, end)"] = seconds - sum(spans.values())
     return {"seconds": seconds, "parts": parts, "rows": stats["rows"]}

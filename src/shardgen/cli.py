@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from typing import NoReturn
 
 from shardgen import config as cfg
 from shardgen import jobenv, steps, workers
@@ -19,7 +21,6 @@ from shardgen.merge import main_merge, push, upload
 from shardgen.multinode import main_worker
 from shardgen.plan import write_manifest
 from shardgen.preflight import main_preflight, reach_storage
-from shardgen.report import main_plots
 from shardgen.status import main_status
 
 
@@ -176,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             print(steps.summary_text(stats))
             return 0
         if args.command == "plots":
+            from shardgen.report import main_plots  # matplotlib: a third of every other command's start
+
             return main_plots(args.stats, args.output, args.out_dir)
     except ShardgenError as e:
         print(f"shardgen: error: {e}", file=sys.stderr)
@@ -183,5 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
+def run() -> NoReturn:
+    """The ``shardgen`` command: ``main``. A generate job ends at once when it returns, without the
+    interpreter's teardown of what vLLM and torch loaded (2 s of a one-minute job, bench/overhead.py):
+    its rows and stats are committed, its engine's processes are gone and its log is flushed here."""
+    code = main()
+    if sys.argv[1:2] == ["generate"]:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -158,7 +158,17 @@ class RunStop:
 
     def finish(self) -> None:
         """Once the scheduler has returned (``onerror``/``onsuccess``): after a stop, cancel what is left
-        of the run's jobs; nothing can be submitted any more."""
+        of the run's jobs; nothing can be submitted any more.
+
+        Snakemake's scheduler plans again when a timer of its job rate limit fires (a
+        ``threading.Timer`` of ``--max-jobs-per-timespan``'s span, 1 s by default:
+        snakemake/scheduling/job_scheduler.py, ``_schedule_reevalutation``); the last one, not a
+        daemon, would hold the end of the process for up to that span (1 s of a one-minute run,
+        bench/overhead.py), with nothing left to plan. They are cancelled here.
+        """
+        for thread in threading.enumerate():
+            if isinstance(thread, threading.Timer):
+                thread.cancel()
         if self._sigint is not None:  # a Ctrl-C from now on is no stop of this run's
             try:
                 signal.signal(signal.SIGINT, self._sigint)

@@ -181,11 +181,11 @@ def expected_jobs(out_dir: Path, config: dict) -> dict[str, int]:
     """What a dry run must list, given what earlier steps left in the output directory."""
     plan = out_dir / "plan"
     jobs = {"merge_shards": 1, "plot_stats": 1, "all": 1}
+    if not (plan / "model.json").exists():  # (in the DAG before the plan is made: the merge reads it)
+        jobs["fetch_model"] = 1
     if not (plan / "manifest.json").exists():
         return {"plan_shards": 1, **jobs}
     shards = list(yaml.safe_load((plan / "manifest.json").read_text())["shards"])
-    if not (plan / "model.json").exists():
-        jobs["fetch_model"] = 1
     if not (plan / "preflight.json").exists():
         jobs["preflight"] = 1
     jobs["generate_shard"] = len(shards)

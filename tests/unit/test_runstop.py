@@ -109,3 +109,16 @@ def test_ctrl_c_is_a_stop_request_a_second_one_ends_the_controller_and_the_handl
         stop.finish()
         assert signal.getsignal(signal.SIGINT) is before
         signal.signal(signal.SIGINT, before)
+
+
+def test_the_end_of_a_run_cancels_the_schedulers_pending_replan_timer(tmp_path):
+    """Snakemake's scheduler leaves a timer of its job rate limit (a non-daemon threading.Timer, 1 s by
+    default) that the process would wait for at its end: onsuccess and onerror cancel it."""
+    fired = threading.Event()
+    timer = threading.Timer(30, fired.set)  # as snakemake/scheduling/job_scheduler.py starts it
+    timer.start()
+    stop, _, _, _ = make(tmp_path, lambda workdir, rules: [])
+    t = time.monotonic()
+    stop.finish()
+    timer.join(5)
+    assert not timer.is_alive() and not fired.is_set() and time.monotonic() - t < 5

@@ -142,27 +142,21 @@ def worker_ids():
 
 
 def all_shard_outputs(wildcards):
-    """What the merge reads: the shards' files (or the jobs' or workers' records), and for a pooling
-    task the model record (its labels and embedding size type an output without rows).
-    """
-    model = {"model_record": RUN_DIR.model_record} if RUN.kind.needs_head else {}
+    """What the merge reads: the shards' files (or the jobs' or workers' records)."""
     if WORKERS:
         return {
             "workers": expand(
                 str(RUN_DIR.worker_record("{worker}")), worker=worker_ids()
             ),
-            **model,
         }
     if PER_JOB > 1:
         return {
             "jobs": expand(str(RUN_DIR.job_record("{job}")), job=list(job_shards())),
-            **model,
         }
     ids = shard_ids()
     return {
         "parquet": expand(str(RUN_DIR.shard_file("{shard}")), shard=ids),
         "stats": expand(str(RUN_DIR.shard_stats("{shard}")), shard=ids),
-        **model,
     }
 
 

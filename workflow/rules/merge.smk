@@ -5,6 +5,9 @@ rule merge_shards:
     input:
         unpack(all_shard_outputs),
         manifest=rules.plan_shards.output.manifest,
+        # (for a pooling task's labels and embedding size; here, not in all_shard_outputs, so that it is in
+        # the DAG Snakemake builds before the plan, a checkpoint, is made: the fetch runs beside the planning)
+        model_record=rules.fetch_model.output.record,
     output:
         # output.parquet, output.jsonl, or the directory output/ or openai/ (output.format)
         dataset=(
@@ -20,13 +23,11 @@ rule merge_shards:
         "../envs/light.yaml"
     params:
         config=run_config,
-        # read by a pooling task's merge, which has it among its inputs (all_shard_outputs)
-        model_record=RUN_DIR.model_record,
         # not read from here (the config file has it): a changed price merges again, with the new cost
         cost=RUN.raw["cost"],
     shell:
         "shardgen merge --config {params.config:q} --manifest {input.manifest:q}"
-        " --output {output.dataset:q} --stats {output.stats:q} --model-record {params.model_record:q} > {log:q} 2>&1"
+        " --output {output.dataset:q} --stats {output.stats:q} --model-record {input.model_record:q} > {log:q} 2>&1"
 
 
 # Only when output.push_to_hub is set; the token comes from HF_TOKEN.
