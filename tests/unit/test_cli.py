@@ -71,3 +71,25 @@ def test_the_token_file_of_hf_auth_login_is_hidden_from_the_commands_that_run_mo
     hidden = "from shardgen.jobenv import hide_tokens; hide_tokens(); " + probe
     after = subprocess.run([sys.executable, "-c", hidden], env=env, capture_output=True, text=True, check=True)
     assert after.stdout.strip() == "None"
+
+
+def test_the_generate_command_ends_without_the_interpreters_teardown_its_output_flushed_its_status_kept(tmp_path):
+    """``shardgen generate`` ends with ``os._exit`` once ``main`` returns (what vLLM and torch loaded is
+    not torn down): what it printed and logged is out, and the exit status is main's. An exit handler
+    registered by the job's code (a stand-in for the libraries') does not run; for another command it does."""
+    import subprocess
+    import sys
+
+    (tmp_path / "c.yaml").write_text("shard: {}\n")  # a bad config: main prints its error and returns 2
+    probe = (
+        "import atexit, sys; from shardgen import cli; "
+        "atexit.register(lambda: print('teardown ran', flush=True)); "
+        "sys.argv = ['shardgen', *sys.argv[1:]]; cli.run()"
+    )
+    files = ["--config", str(tmp_path / "c.yaml"), "--manifest", str(tmp_path / "m.json")]
+    generate = [*files, "--shard", "00000", "--output", str(tmp_path / "o"), "--stats", str(tmp_path / "s")]
+    for command, args, teardown in (("generate", generate, False), ("plan", files, True)):
+        r = subprocess.run([sys.executable, "-c", probe, command, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (command, r.stdout, r.stderr)
+        assert "shardgen: error: unknown key 'shard'" in r.stderr, (command, r.stderr)
+        assert ("teardown ran" in r.stdout) is teardown, (command, r.stdout)
