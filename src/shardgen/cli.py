@@ -7,6 +7,7 @@ command line, so no config value is ever part of a shell command.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
@@ -190,6 +191,8 @@ def run() -> NoReturn:
     """The ``shardgen`` command: ``main``. A generate job ends at once when it returns, without the
     interpreter's teardown of what vLLM and torch loaded (2 s of a one-minute job, bench/overhead.py):
     its rows and stats are committed, its engine's processes are gone and its log is flushed here."""
+    if sys.argv[1:2] in (["generate"], ["engine-worker"]):
+        _spawn_without_this_script()
     code = main()
     if sys.argv[1:2] == ["generate"]:
         logging.shutdown()
@@ -197,6 +200,18 @@ def run() -> NoReturn:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _spawn_without_this_script() -> None:
+    """vLLM spawns its engine core and workers, and multiprocessing's spawn runs the parent's main script
+    again in each child before anything else (multiprocessing/spawn.py, ``_fixup_main_from_path``): the
+    ``shardgen`` script imports shardgen and every feature, about 0.4 s per process, one after the other
+    at each engine start, for nothing the engine's processes use. A package's ``__main__`` is not run again
+    (``_fixup_main_from_name``): the script's module is given the spec of shardgen's own, which runs this
+    same command (``python -m shardgen``)."""
+    script = sys.modules["__main__"]
+    if getattr(script, "__spec__", None) is None:
+        script.__spec__ = importlib.util.find_spec("shardgen.__main__")
 
 
 if __name__ == "__main__":

@@ -30,8 +30,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Seconds a job's engine gets to end on its own once the job is done with it (Engine.close).
-STOP_WAIT_SECONDS = 1.0
+# Seconds a job's engine gets to end on its own once the job is done with it (Engine.close): none, its
+# rows are committed and nothing the engine holds is needed; a graceful end (the workers' teardown,
+# then the engine core's) took 5 s of a one-minute job, and a second's grace ended none (bench/overhead.py).
+STOP_WAIT_SECONDS = 0.0
 
 # Keys of `model` in the config that are ours, not vllm.LLM arguments.
 _NOT_ENGINE_ARGS = {"extra", "allow_unsafe_engine_args", "batch_invariant"}
@@ -315,14 +317,14 @@ class Engine:
         Args:
             wait: seconds the engine's processes get to end after SIGTERM before they are killed
                 (vLLM's ``MPClient.shutdown(timeout)``, v1/utils.py ``shutdown``: SIGTERM, join, then
-                ``kill_process_tree``); None: vLLM's own 5 s. A job stops its engine once its rows are
-                committed, when nothing the engine holds is needed: its graceful end (the workers'
-                teardown, then the engine core's) took 5 s of a one-minute job (bench/overhead.py).
+                ``kill_process_tree``, which kills the engine core's workers with it); None: vLLM's own
+                5 s, for an engine stopped to start another, which needs the memory it releases.
         """
         if self.llm is not None and self._owned:
             if wait is not None:
-                log.info("stopping the engine: its processes are killed if they have not ended in %.0f s (Python's "
-                         "resource tracker then frees the shared memory they held, and says so)", wait)  # fmt: skip
+                grace = f" if not ended in {wait:g} s" if wait else ""
+                log.info("stopping the engine: its processes are killed%s (Python's resource tracker then frees the "
+                         "shared memory they held, and says so)", grace)  # fmt: skip
             self.llm.llm_engine.engine_core.shutdown(timeout=wait)
             self.llm = None
             self._stop_workers()

@@ -93,3 +93,26 @@ def test_the_generate_command_ends_without_the_interpreters_teardown_its_output_
         assert r.returncode == 2, (command, r.stdout, r.stderr)
         assert "shardgen: error: unknown key 'shard'" in r.stderr, (command, r.stderr)
         assert ("teardown ran" in r.stdout) is teardown, (command, r.stdout)
+
+
+def test_the_engines_spawned_processes_do_not_run_the_shardgen_script_again(tmp_path):
+    """vLLM spawns its engine core and workers; multiprocessing's spawn runs the parent's main script in
+    each first, and the ``shardgen`` script imports shardgen (0.4 s a process). A generate job names its
+    script as shardgen's ``__main__``, which spawn does not run again; unnamed, the child imports it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "shardgen"  # as pip writes the console script: the import at the top
+    script.write_text(
+        "import multiprocessing, sys\n"
+        "from shardgen import cli\n"
+        "if __name__ == '__main__':\n"
+        "    if sys.argv[1] == 'named':\n"
+        "        cli._spawn_without_this_script()\n"
+        "    child = multiprocessing.get_context('spawn').Process(\n"
+        "        target=exec, args=(\"import sys; sys.exit(3 if 'shardgen.cli' in sys.modules else 0)\",))\n"
+        "    child.start(); child.join(); sys.exit(child.exitcode)\n"
+    )
+    for how, imported in (("named", False), ("unnamed", True)):
+        r = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=120)
+        assert r.returncode == (3 if imported else 0), (how, r.returncode, r.stderr[-2000:])

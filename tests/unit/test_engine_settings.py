@@ -242,7 +242,7 @@ def test_an_engine_the_handle_started_is_started_again_only_for_other_settings_a
     """A worker runs many shards on one handle: the same settings reuse the engine; a shard whose
     earlier attempts ran out of memory (lower settings) gets a new one, once the old one ended on its
     own (vLLM's grace: it releases the memory the next one needs); an engine handed in is kept. The
-    job's last stop gives the processes a second before they are killed (its rows are committed)."""
+    job's last stop kills the processes at once (its rows are committed)."""
     import types
 
     import vllm
@@ -270,7 +270,7 @@ def test_an_engine_the_handle_started_is_started_again_only_for_other_settings_a
     assert second is not first and handle.starts == 2 and stopped == [started[0]]
     handle.close()
     assert stopped == started
-    assert waits == [None, STOP_WAIT_SECONDS] and STOP_WAIT_SECONDS <= 2
+    assert waits == [None, STOP_WAIT_SECONDS] == [None, 0]
 
     wrapped = FakeLLM(**base)
     shared = Engine(wrapped)

@@ -1,0 +1,5 @@
+"""``python -m shardgen``: the ``shardgen`` command."""
+
+from shardgen.cli import run
+
+run()
