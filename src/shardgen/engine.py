@@ -322,9 +322,8 @@ class Engine:
         """
         if self.llm is not None and self._owned:
             if wait is not None:
-                grace = f" if not ended in {wait:g} s" if wait else ""
-                log.info("stopping the engine: its processes are killed%s (Python's resource tracker then frees the "
-                         "shared memory they held, and says so)", grace)  # fmt: skip
+                log.info("stopping the engine: its processes get %g s to end before they are killed (Python's "
+                         "resource tracker then frees the shared memory they held, and says so)", wait)  # fmt: skip
             self.llm.llm_engine.engine_core.shutdown(timeout=wait)
             self.llm = None
             self._stop_workers()
