@@ -65,6 +65,7 @@ from shardgen import config as cfg
 from shardgen import formats, sources
 from shardgen.errors import ConfigError, InputError, ShardgenError
 from shardgen.io import replace_dir
+from shardgen.outputs import lone_surrogate
 from shardgen.sources import BATCH_ROWS, ParquetSource, Segment, SourceKind, expand_patterns
 
 if TYPE_CHECKING:
@@ -389,7 +390,7 @@ def scan_line(line: bytes, path: str, lineno: int, pairs: bool = False) -> tuple
     if not isinstance(request, dict) or not isinstance(request.get("custom_id"), str) or not request["custom_id"]:
         raise InputError(f"{where}: a request needs a custom_id (a non-empty string)")
     custom = request["custom_id"]
-    if (at := _lone_surrogate(custom)) is not None:  # an id no output can hold (escaped by repr)
+    if (at := lone_surrogate(custom)) is not None:  # an id no output can hold (escaped by repr)
         raise InputError(
             f"{where}: the custom_id {custom!r} is not valid Unicode text (a lone surrogate at character {at}: "
             "a truncated emoji?)"
@@ -397,7 +398,7 @@ def scan_line(line: bytes, path: str, lineno: int, pairs: bool = False) -> tuple
     body = request.get("body")
     model = body.get("model") if isinstance(body, dict) else None
     # a model that is not text is the row's error (request_row), not a name to record
-    model = model if isinstance(model, str) and _lone_surrogate(model) is None else None
+    model = model if isinstance(model, str) and lone_surrogate(model) is None else None
     return custom, model, _rows(request, line, pairs)
 
 
@@ -427,16 +428,6 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def _lone_surrogate(text: str) -> int | None:
-    """Where the first lone surrogate of the text is (a truncated emoji: JSON escapes hold one, UTF-8,
-    and so Arrow and the output files, cannot), None where there is none."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return e.start
-    return None
-
-
 # An escape of a surrogate (\ud800 to \udfff; or an escaped backslash before such text, which the
 # search of the values then clears)
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -463,11 +454,11 @@ def _not_unicode(request: dict[str, Any], line: bytes) -> str | None:
     while stack:
         value, at = stack.pop()
         if isinstance(value, str):
-            if (i := _lone_surrogate(value)) is not None:
+            if (i := lone_surrogate(value)) is not None:
                 return f"{at}: not valid Unicode text (a lone surrogate, {value[i]!r}, at character {i})"
         elif isinstance(value, dict):
             for key in value:
-                if (i := _lone_surrogate(key)) is not None:
+                if (i := lone_surrogate(key)) is not None:
                     where = f"{at}[{key!r}]"  # repr: escaped
                     return (
                         f"{where}: not valid Unicode text (a lone surrogate, {key[i]!r}, at character {i} of the name)"

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardgen import records
-from shardgen.errors import InputError
+from shardgen.errors import InputError, RowError
 from shardgen.io import Dir, LazyDir, atomic_write
 from shardgen.rundir import ATTEMPTS, DISCARDED, FINGERPRINT_KEY, PROGRESS
 
@@ -104,6 +104,71 @@ def write_table(table: pa.Table, path: str | Path, below: str | Path | None = No
 PART_NAME = re.compile(r"part-(\d{6})\.parquet")
 # A temporary file of io.Dir.write_atomic for one of the names above (the job died while writing it).
 _TMP_NAME = re.compile(r"\.(part-\d{6}\.parquet|attempts\.jsonl|progress\.json)\.[0-9a-f]{8}\.tmp")
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where the first lone surrogate of ``text`` is, None where there is none. Such text (half an emoji:
+    JSON's ``\\ud83d`` escape read alone, or a Python function's or a tool's output) is a Python string
+    that UTF-8, and so Arrow and every output file, cannot hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def repaired_text(text: str) -> str:
+    """``text`` with each lone surrogate replaced by U+FFFD, as vLLM's detokenizer replaces bytes it cannot
+    decode (a pair of halves becomes its character). For text a model reads; a column's text that
+    cannot be encoded is its row's error (``arrow_table``)."""
+    if lone_surrogate(text) is None:
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _bad_text(value: Any) -> str | None:
+    """The first text inside ``value`` (a row's column: a string, or lists and dicts of them) that UTF-8
+    cannot encode, described (the character and where it is), None where all of it can."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if (at := lone_surrogate(v)) is not None:
+                return f"{v[at]!r} at character {at}"  # repr: escaped
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return None
+
+
+def arrow_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    """The rows as a table of ``schema``: the one place where a row's values become Arrow.
+
+    Text that cannot be encoded (a lone surrogate: a generation's parsed JSON, a function's output, a
+    tool's result in ``messages``) makes that row an ``invalid_text`` error naming the column, whose
+    value is left out; the row's other columns are kept, and the other rows are untouched. The common
+    case costs nothing: rows are looked at one by one only when Arrow refuses the batch.
+    """
+    try:
+        return pa.Table.from_pylist(rows, schema=schema)
+    except UnicodeEncodeError:
+        return pa.Table.from_pylist([_encodable(row) for row in rows], schema=schema)
+
+
+def _encodable(row: dict[str, Any]) -> dict[str, Any]:
+    bad = {c: why for c, v in row.items() if c != "error" and (why := _bad_text(v)) is not None}
+    out = {**row, **dict.fromkeys(bad)}
+    if bad:
+        what = "; ".join(
+            f"column {c!r}: text that is not valid Unicode ({why}, half an emoji?)" for c, why in bad.items()
+        )
+        error = str(RowError("invalid_text", f"{what}; the value is left out"))
+        out["error"] = f"{row['error']}; {error}" if row.get("error") else error
+    if out.get("error"):  # the error's own text may quote what it is about
+        out["error"] = out["error"].encode("utf-8", "backslashreplace").decode("utf-8")
+    return out
 
 
 class ShardCheckpoint(LazyDir):
@@ -216,7 +281,7 @@ class ShardCheckpoint(LazyDir):
         if not rows:
             return
         self.guard()
-        table = pa.Table.from_pylist(rows, schema=self.schema)
+        table = arrow_table(rows, self.schema)
         name = f"part-{self._next:06d}.parquet"
         self.dir.write_atomic(name, lambda f: pq.write_table(table, f, compression="zstd"))
         self.saved_inputs += len(set(table.column("row_index").to_pylist()))

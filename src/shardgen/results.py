@@ -310,6 +310,8 @@ class ResultSpec(Columns):
             pa.array([typed], self.json_type or pa.string())
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:
             raise RowError("invalid_json", f"the output does not fit the schema's column type: {e}") from None
+        except UnicodeEncodeError:
+            pass  # text no output can hold (a lone surrogate): the rule of every column (outputs.arrow_table)
         return typed
 
     def _label(self, s: Sample) -> str:

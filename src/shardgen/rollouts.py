@@ -53,6 +53,7 @@ from shardgen import config as cfg
 from shardgen import pycode, tasks
 from shardgen.errors import ConfigError, RowError
 from shardgen.feed import Request
+from shardgen.outputs import repaired_text
 from shardgen.results import Completion, ResultSpec
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ log = logging.getLogger(__name__)
 TOOL_CHOICES = ("auto", "required", "none")
 FINISH_MAX_TURNS = "max_turns"
 ERROR_PREFIX = "Error: "  # what a tool's failure reads like to the model
+# The longest the tools' import and definitions may take in their worker process (``definitions``).
+IMPORT_SECONDS = 300
 
 
 # -- The tools -----------------------------------------------------------------------------------------
@@ -131,15 +134,36 @@ def load_tools(rollout: Mapping[str, Any]) -> dict[str, Callable[..., Any]]:
     return {t["name"]: pycode.load(t, _key(i)) for i, t in enumerate(rollout["tools"])}
 
 
-@functools.lru_cache(maxsize=8)
-def _definitions(tools_json: str, digests: str) -> tuple[str, ...]:
-    tools = json.loads(tools_json)
+def _definitions_here(tools: list[dict[str, Any]]) -> tuple[str, ...]:
     loaded = load_tools({"tools": tools})
     return tuple(json.dumps(definition(t, loaded[t["name"]], _key(i))) for i, t in enumerate(tools))
 
 
+@functools.lru_cache(maxsize=8)
+def _definitions(tools_json: str, digests: str) -> tuple[str, ...]:
+    # the tools are imported in a worker process, as where they run: a tool module that loads a large
+    # index as it is imported must not hold it in the job's own process too
+    tools = json.loads(tools_json)
+    pool = pebble.ProcessPool(max_workers=1, context=multiprocessing.get_context("forkserver"))
+    try:
+        return pool.schedule(_definitions_here, args=(tools,), timeout=IMPORT_SECONDS).result()
+    except FutureTimeout:
+        names = ", ".join(t["name"] for t in tools)
+        raise ConfigError(f"rollout.tools ({names}): not imported within {IMPORT_SECONDS} s") from None
+    except pebble.ProcessExpired as e:
+        raise ConfigError(f"rollout.tools: a tool's import ended its process (exit code {e.exitcode})") from None
+    finally:
+        pool.stop()
+        pool.join(timeout=10)
+
+
 def definitions(rollout: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The tools' OpenAI definitions (``definition``), made once per process for the same code."""
+    """The tools' OpenAI definitions (``definition``), made once per process for the same code, in a
+    worker process (the tools' modules are not imported here).
+
+    Raises:
+        ConfigError: a tool does not import or has no schema, naming it.
+    """
     tools = list(rollout["tools"])
     digests = json.dumps(tool_digests(rollout), sort_keys=True)
     return [json.loads(d) for d in _definitions(json.dumps(tools, sort_keys=True), digests)]
@@ -155,8 +179,23 @@ def _init_tools(tools: list[dict[str, Any]]) -> None:
     _TOOLS = load_tools({"tools": tools})
 
 
-def _call_tool(name: str, arguments: str) -> tuple[bool, str]:
-    """In a worker: ``(ok, the text the model gets)`` of one call; a failure is the text of its error."""
+def _call_tool(name: str, arguments: str, max_chars: int | None = None) -> tuple[bool, str]:
+    """In a worker: ``(ok, the text the model gets)`` of one call; a failure is the text of its error.
+
+    The text goes to the model before it is a column: a result longer than ``max_chars`` (more than the
+    context can hold: ``Tokenizer.max_prompt_chars``) is left out for an error the model reads, without
+    sending it back or tokenizing it; text that is not valid Unicode (a lone surrogate, half an emoji)
+    is repaired as vLLM's detokenizer repairs bytes it cannot decode (U+FFFD), since neither the
+    tokenizer nor the output can take it.
+    """
+    ok, text = _run_tool(name, arguments)
+    if max_chars is not None and len(text) > max_chars:
+        return False, (f"{ERROR_PREFIX}the tool {name} returned {len(text)} characters, more than the context "
+                       f"can hold ({max_chars}); its result is left out")  # fmt: skip
+    return ok, repaired_text(text)
+
+
+def _run_tool(name: str, arguments: str) -> tuple[bool, str]:
     fn = _TOOLS.get(name)
     if fn is None:
         return False, f"{ERROR_PREFIX}no tool named {name!r}; the tools are {', '.join(sorted(_TOOLS))}"
@@ -320,6 +359,7 @@ class Rollouts:
         self.rollout = task.rollout
         self.timeout = float(self.rollout["tool_timeout_seconds"])
         self.pool = tool_pool(self.rollout, task.processes)
+        self.max_chars = task.tokenizer.max_prompt_chars
         self._done: queue.Queue = queue.Queue()
         self._early: list[tuple[int, int, str, Future, float]] = []
         self._waiting = 0
@@ -364,7 +404,7 @@ class Rollouts:
         conv.results, conv.pending = [None] * len(calls), len(calls)
         self._waiting += 1
         for i, (name, args) in enumerate(calls):
-            future = self.pool.schedule(_call_tool, args=(name, args), timeout=self.timeout)
+            future = self.pool.schedule(_call_tool, args=(name, args, self.max_chars), timeout=self.timeout)
             future.add_done_callback(functools.partial(self._returned, c.key, i, name, time.monotonic()))
         return None
 

@@ -7,6 +7,7 @@ tests/integration/test_workflow.py, the rollout test.)"""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,16 @@ def test_a_tool_s_schema_comes_from_its_signature_and_docstring_unless_given(tmp
     wrong = {"type": "object", "properties": {"y": {"type": "string"}}}
     with pytest.raises(ConfigError, match=r"the schema has \['y'\], which fails\(\) does not take"):
         rollouts.definitions({"tools": [{"path": path, "name": "fails", "schema": wrong}]})
+
+
+def test_the_tools_are_imported_in_a_worker_process_not_in_the_job_s_own(tmp_path):
+    # a tool module that loads a large index as it is imported must not hold it in the job's process too
+    imported = tmp_path / "imported"
+    (tmp_path / "tools.py").write_text(f"import os\nopen({str(imported)!r}, 'a').write(f'{{os.getpid()}}\\n')\n{TOOLS}")
+    (made,) = rollouts.definitions({"tools": [{"path": str(tmp_path / "tools.py"), "name": "add"}]})
+    assert made["function"]["name"] == "add"
+    (pid,) = imported.read_text().split()
+    assert int(pid) != os.getpid()
 
 
 def test_a_turn_s_calls_are_found_as_vllm_s_server_finds_them():
