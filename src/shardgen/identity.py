@@ -17,13 +17,19 @@ def shard_fingerprint(config: RunConfig, manifest: Manifest, shard: Shard) -> st
     """Everything that decides the shard's content: its input rows and the content config."""
     src = manifest.data["source"]
     if "files" in src:  # Parquet files, OpenAI batch files: each by its path, size and modification time
-        inputs: Any = [
-            {k: src["files"][s.file][k] for k in ("path", "size", "mtime_ns")} | {"start": s.start, "stop": s.stop}
-            for s in shard.segments
-        ]
+        files = src["files"]
+        inputs: Any = [_file_identity(files[s.file]) | {"start": s.start, "stop": s.stop} for s in shard.segments]
     elif src["kind"] == "step":  # the committed shard of the step before: its own fingerprint
         source = manifest.source()
         inputs = {"step": [source.file_fingerprint(s.file) for s in shard.segments], "start": shard.start}
     else:
         inputs = {"fingerprint": src["fingerprint"], "start": shard.start, "stop": shard.stop}
     return digest({"config": content_config(config.raw), "rows": inputs})
+
+
+def _file_identity(f: dict[str, Any]) -> dict[str, Any]:
+    """A file by its path, size and modification time; an object (whose mtime_ns is 0) by its ETag too,
+    which a rewrite of the same size changes. A local file's has no ``etag`` key (None): its shards'
+    fingerprints stay those committed before objects had one."""
+    out = {k: f[k] for k in ("path", "size", "mtime_ns")}
+    return out | ({"etag": f["etag"]} if f.get("etag") is not None else {})

@@ -9,6 +9,7 @@ its shard's rows, streaming record batches; nothing is copied.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import glob
 import itertools
 import logging
@@ -80,7 +81,8 @@ def expand_patterns(patterns: list[str], key: str) -> list[str]:
     files: list[str] = []
     for pattern in patterns:
         if glob.has_magic(pattern):
-            matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+            # (a set: glob.glob returns a file once for each way a 'a/**/**' pattern reaches it)
+            matches = sorted({p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)})
             if not matches:
                 raise InputError(f"{key}: the pattern '{pattern}' matches no file")
             files.extend(matches)
@@ -92,10 +94,10 @@ def expand_patterns(patterns: list[str], key: str) -> list[str]:
             raise InputError(f"{key}: no such file: '{pattern}'")
     seen: set[str] = set()
     for f in files:
-        key = os.path.realpath(f)
-        if key in seen:
+        real = os.path.realpath(f)
+        if real in seen:
             raise InputError(f"{key}: the file '{f}' is listed twice; its rows would be processed twice")
-        seen.add(key)
+        seen.add(real)
     return files
 
 
@@ -128,6 +130,19 @@ def describe_parquet(
         return info, pf.schema_arrow
     st = os.stat(path)
     return ParquetFileInfo(path, st.st_size, st.st_mtime_ns, md.num_rows, groups), pf.schema_arrow
+
+
+def _check_object(info: ParquetFileInfo, size: int, etag: str | None, when: str) -> None:
+    """Refuse an object whose size or ETag (a HEAD's: ``size``, ``etag``) is not the planned one.
+
+    Raises:
+        InputError: naming it, and ``when`` it changed (after planning, while it was read).
+    """
+    if (size, etag) != (info.size, info.etag):
+        raise InputError(
+            f"input: the object '{info.path}' changed {when} (size {info.size} -> {size}, ETag {info.etag} -> "
+            f"{etag}); rerun the workflow to plan it again"
+        )
 
 
 def plain_type(t: pa.DataType, column: str, where: str) -> pa.DataType:
@@ -250,12 +265,7 @@ class ParquetSource:
         for i in sorted(range(len(self.files)) if indexes is None else indexes):
             f = self.files[i]
             if storage.is_url(f.path):
-                size, etag = storage.head(f.path, self.storage_options)
-                if (size, etag) != (f.size, f.etag):
-                    raise InputError(
-                        f"input: the object '{f.path}' changed after planning (size {f.size} -> {size}, ETag "
-                        f"{f.etag} -> {etag}); rerun the workflow to plan it again"
-                    )
+                _check_object(f, *storage.head(f.path, self.storage_options), "after planning")
                 continue
             try:
                 st = os.stat(f.path)
@@ -274,24 +284,64 @@ class ParquetSource:
         self.check_unchanged({s.file for s in segments})
         for seg in segments:
             info = self.files[seg.file]
-            pf = _parquet_file(info.path, self.storage_options)
-            groups, first_row = [], 0
-            offset = 0
-            for g, n in enumerate(info.row_groups):
-                if offset + n > seg.start and offset < seg.stop:
-                    if not groups:
-                        first_row = offset
-                    groups.append(g)
-                offset += n
-            pos = first_row
-            batches = pf.iter_batches(batch_size=batch_rows, row_groups=groups, columns=columns, use_threads=False)
-            for batch in map(self._plain, batches):
-                lo, hi = max(seg.start, pos), min(seg.stop, pos + batch.num_rows)
-                if lo < hi:
-                    yield batch.slice(lo - pos, hi - lo)
-                pos += batch.num_rows
-                if pos >= seg.stop:
-                    break
+            if storage.is_url(info.path):
+                yield from self._read_object(info, seg, batch_rows, columns)
+                continue
+            yield from self._read_file(info, seg, batch_rows, columns)
+
+    def _read_file(
+        self, info: ParquetFileInfo, seg: Segment, batch_rows: int, columns: list[str] | None, opened: Any = None
+    ) -> Iterator[pa.RecordBatch]:
+        """The rows of one segment of a file (of an object: ``opened``), reading only the row groups it touches."""
+        pf = _parquet_file(info.path, self.storage_options, opened)
+        groups, first_row = [], 0
+        offset = 0
+        for g, n in enumerate(info.row_groups):
+            if offset + n > seg.start and offset < seg.stop:
+                if not groups:
+                    first_row = offset
+                groups.append(g)
+            offset += n
+        pos = first_row
+        batches = pf.iter_batches(batch_size=batch_rows, row_groups=groups, columns=columns, use_threads=False)
+        for batch in map(self._plain, batches):
+            lo, hi = max(seg.start, pos), min(seg.stop, pos + batch.num_rows)
+            if lo < hi:
+                yield batch.slice(lo - pos, hi - lo)
+            pos += batch.num_rows
+            if pos >= seg.stop:
+                break
+
+    def _read_object(
+        self, info: ParquetFileInfo, seg: Segment, batch_rows: int, columns: list[str] | None
+    ) -> Iterator[pa.RecordBatch]:
+        """``_read_file`` of an object, never across two versions of it: its ranged reads carry no
+        If-Match, so an object rewritten after the HEAD that opened it would give the rows read after the
+        rewrite from the new bytes. The handle's ETag (the opening HEAD's) must be the planned one, and
+        before rows are yielded, a HEAD must still find it whenever anything was read since the last one.
+
+        Raises:
+            InputError: the object changed after planning, or while it was read, naming it.
+        """
+        options = self.storage_options
+        opened = storage.open_input(info.path, options)
+        with contextlib.closing(storage.CountingFile(opened)) as counted:
+            _check_object(info, opened.size(), storage.etag(opened), "after planning")
+            checked = 0  # what was read (footer, row groups, prefetched ranges) before the last HEAD
+            rows = self._read_file(info, seg, batch_rows, columns, counted)
+            while True:
+                try:
+                    batch = next(rows, None)
+                except (pa.ArrowException, InputError):  # the bytes of two versions may not even decode
+                    _check_object(info, *storage.head(info.path, options), "while it was read")
+                    raise
+                if batch is None:
+                    return
+                read = counted.read_bytes  # (before the HEAD: a read that ends during it is checked next time)
+                if read != checked:
+                    _check_object(info, *storage.head(info.path, options), "while it was read")
+                    checked = read
+                yield batch
 
     def _plain(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """The batch in the source's types (views read as plain types)."""

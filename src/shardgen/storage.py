@@ -7,18 +7,25 @@ config files, an instance role), never from the config (``trust.find_credentials
 ``input.storage_options`` says only where the service is (``endpoint_url``, ``region``) and whether to
 sign requests (``anonymous``).
 
-An object is identified by its size and ETag: planning records them, a job refuses an object whose
-ETag changed since (``ParquetSource.check_unchanged``), and an upload is skipped when the object there
-is the one the last upload of the same bytes left (``upload``).
+An object is identified by its size and ETag: planning records them, a shard's fingerprint holds them
+(``identity.shard_fingerprint``: an object rewritten with the same size is another input), a job refuses
+an object whose ETag changed since (``ParquetSource.check_unchanged``) or changes while it reads it
+(``ParquetSource.read``), and an upload is skipped when the object there is the one the last upload of
+the same bytes left (``upload``).
+
+A glob selects the objects that ``glob.glob(pattern, recursive=True)`` selects of the same files on
+local disk (``glob_match``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
 import glob
 import hashlib
 import io
+import itertools
 import json
 import re
 from collections.abc import Mapping
@@ -41,6 +48,35 @@ MAX_ATTEMPTS = 6
 # Objects whose footers planning reads at once.
 PARALLEL_READS = 16
 CHUNK = 8 << 20
+# The largest object S3 copies in one request (CopyObject): a larger upload cannot go through a temporary
+# object (``_write``).
+COPY_LIMIT = 5 << 30
+
+
+# Credentials in a URL, which ``trust.CREDENTIAL_PATTERNS`` refuses in a config and ``redact`` hides where a
+# URL is shown. A userinfo with a password, 'scheme://user:password@': the password may hold a '/' (no
+# valid URL, but written, and read as one by some clients), except where what follows the ':' is a port
+# and a path ('http://host:8000/docs/me@x' names no one's password).
+USER_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s:@?#]+:(?!\d+(/|$))[^\s@]+@")
+# A web URL's userinfo of one part, 'https://token@host': a token, as services take one ('ssh://git@...'
+# names a user; 'git@github.com:...' and an e-mail address are no URL).
+USER_TOKEN = re.compile(r"(?P<scheme>\b(https?|wss?)://)[^/\s:@?#]+@(?=[^\s/@])", re.IGNORECASE)
+# A query parameter that carries one: 'key', 'sig' (Azure's SAS), 'AWSAccessKeyId', or a name that ends
+# with token, signature, credential, secret, password or api key ('X-Amz-Security-Token', 'access_token',
+# 'client_secret', 'X-Goog-Signature'; not 'sort_key').
+QUERY_CREDENTIAL = re.compile(
+    r"(?P<name>[?&](key|sig|awsaccesskeyid|([\w.-]*[_-])?(token|signature|credential|secret|password|passwd"
+    r"|api_?key|apikey))=)[^&\s#]+",
+    re.IGNORECASE,
+)
+
+
+def redact(text: str) -> str:
+    """``text`` with the credentials of its URLs (their userinfo, the values of their query parameters
+    that carry one) as '***': what a message may show of a URL (a config's were checked, but an error's
+    text or a caller's URL were not)."""
+    text = USER_TOKEN.sub(r"\g<scheme>***@", USER_PASSWORD.sub(r"\g<scheme>***@", text))
+    return QUERY_CREDENTIAL.sub(r"\g<name>***", text)
 
 
 class StorageError(ShardgenError):
@@ -53,7 +89,7 @@ def is_url(path: str) -> bool:
 
 def _where(options: Mapping[str, Any] | None) -> str:
     endpoint = (options or {}).get("endpoint_url")
-    return f"the endpoint {endpoint}" if endpoint else "AWS S3"
+    return f"the endpoint {redact(endpoint)}" if endpoint else "AWS S3"
 
 
 def _hint(options: Mapping[str, Any] | None) -> str:
@@ -73,7 +109,8 @@ def _filesystem(endpoint_url: str | None, region: str | None, anonymous: bool) -
     }
     if endpoint_url:
         parts = urlsplit(endpoint_url if "://" in endpoint_url else f"https://{endpoint_url}")
-        kwargs["endpoint_override"] = parts.netloc + parts.path.rstrip("/")
+        # (without a userinfo: credentials come from the environment, never a URL)
+        kwargs["endpoint_override"] = parts.netloc.rpartition("@")[2] + parts.path.rstrip("/")
         kwargs["scheme"] = parts.scheme
     if region:
         kwargs["region"] = region
@@ -91,26 +128,52 @@ def path_of(url: str) -> str:
     return url[len(SCHEME) :]
 
 
-def _glob_regex(pattern: str) -> re.Pattern[str]:
-    """A glob over keys as a regex: ``*`` and ``?`` stay within one ``/`` level, ``**`` crosses them."""
-    out, i = [], 0
-    while i < len(pattern):
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^/]")
-            i += 1
-        elif pattern[i] == "[" and (end := pattern.find("]", i + 1)) > i:
-            out.append(pattern[i : end + 1])
-            i = end + 1
+def glob_match(pattern: str, path: str) -> bool:
+    """Whether ``glob.glob(pattern, recursive=True)`` would select the file ``path`` of the same tree on
+    local disk (``/``-separated, both): what ``input.parquet`` takes of objects is what it takes of files.
+
+    Each ``/`` component of the pattern matches one of the path (``fnmatch``: ``*``, ``?``, ``[...]``,
+    ``[!...]``), except ``**`` alone in a component, which matches zero or more directories (all of what
+    is left, at the end). A wildcard skips names starting with ``.`` unless its component starts with
+    ``.`` too, and ``**`` skips them always (glob's ``include_hidden=False``). A pattern ending with ``/``
+    selects directories only: no file.
+    """
+    if pattern.endswith("/"):
+        return False
+    pats = tuple(c for c in pattern.split("/") if c)  # glob reads 'a//b' as 'a/b'
+    return _glob_match(pats, tuple(path.split("/")))
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+def _glob_match(pats: tuple[str, ...], names: tuple[str, ...]) -> bool:
+    @functools.cache
+    def match(i: int, j: int) -> bool:  # pats[i:] against names[j:]
+        if i == len(pats):
+            return j == len(names)
+        pat = pats[i]
+        if pat == "**":
+            if i == len(pats) - 1:  # everything below: the file and the directories above it
+                return j < len(names) and not any(map(_hidden, names[j:]))
+            # zero or more directories (never the file, the last name), none of them hidden
+            for k in range(j, len(names)):
+                if match(i + 1, k):
+                    return True
+                if k == len(names) - 1 or _hidden(names[k]):
+                    return False
+            return False
+        if j == len(names):
+            return False
+        name = names[j]
+        if not glob.has_magic(pat):
+            ok = pat == name
         else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(out) + r"\Z")
+            ok = (_hidden(pat) or not _hidden(name)) and fnmatch.fnmatchcase(name, pat)
+        return ok and match(i + 1, j + 1)
+
+    return match(0, 0)
 
 
 def expand(patterns: list[str], options: Mapping[str, Any] | None, key: str) -> list[str]:
@@ -125,25 +188,30 @@ def expand(patterns: list[str], options: Mapping[str, Any] | None, key: str) -> 
         path = path_of(url)
         try:
             if glob.has_magic(path):
-                base = re.split(r"[*?\[]", path, maxsplit=1)[0].rsplit("/", 1)[0]
-                matcher = _glob_regex(path)
-                infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-                found = sorted(i.path for i in infos if i.type == pafs.FileType.File and matcher.match(i.path))
+                parts = path.split("/")
+                literal = list(itertools.takewhile(lambda p: not glob.has_magic(p), parts[:-1]))
+                if not literal:
+                    raise InputError(f"{key}: '{redact(url)}' has a pattern in its bucket's name; name the bucket")
+                base = "/".join(literal)  # the directories above the first wildcard: all that is listed
+                rest = parts[len(literal) :]
+                deep = len(rest) > 1 or "**" in rest  # (else one level: a listing of its names only)
+                infos = fs.get_file_info(pafs.FileSelector(base, recursive=deep, allow_not_found=True))
+                found = sorted(i.path for i in infos if i.type == pafs.FileType.File and glob_match(path, i.path))
                 if not found:
-                    raise InputError(f"{key}: the pattern '{url}' matches no object")
+                    raise InputError(f"{key}: the pattern '{redact(url)}' matches no object")
                 out.extend(SCHEME + p for p in found)
             else:
                 info = fs.get_file_info(path)
                 if info.type != pafs.FileType.File:
-                    raise InputError(f"{key}: no such object: '{url}'")
+                    raise InputError(f"{key}: no such object: '{redact(url)}'")
                 out.append(url)
         except OSError as e:
-            raise InputError(f"{key}: cannot list '{url}': {_first_line(e)}; {_hint(options)}") from e
+            raise InputError(f"{key}: cannot list '{redact(url)}': {_first_line(e)}; {_hint(options)}") from e
     return out
 
 
 def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    return redact((str(e).strip().splitlines() or [type(e).__name__])[0][:300])
 
 
 def open_input(url: str, options: Mapping[str, Any] | None) -> pa.NativeFile:
@@ -155,12 +223,13 @@ def open_input(url: str, options: Mapping[str, Any] | None) -> pa.NativeFile:
     try:
         return filesystem(options).open_input_file(path_of(url))
     except OSError as e:
-        raise InputError(f"input: cannot read '{url}': {_first_line(e)}; {_hint(options)}") from e
+        raise InputError(f"input: cannot read '{redact(url)}': {_first_line(e)}; {_hint(options)}") from e
 
 
 class CountingFile(io.RawIOBase):
     """An object opened for reading (``open_input``), counting the bytes read through it: what planning
-    reads of each object (its footer) is reported against the objects' size."""
+    reads of each object (its footer) is reported against the objects' size, and a read of its rows
+    knows whether anything was read since it last checked the object (``ParquetSource.read``)."""
 
     def __init__(self, f: pa.NativeFile) -> None:
         super().__init__()
@@ -186,6 +255,12 @@ class CountingFile(io.RawIOBase):
         buffer[: len(data)] = data
         self.read_bytes += len(data)
         return len(data)
+
+    def read_buffer(self, nbytes: int | None = None) -> pa.Buffer:
+        """What pyarrow's reads through a Python file call when it has it: no copy of a row group's bytes."""
+        data = self.f.read_buffer(nbytes)
+        self.read_bytes += data.size
+        return data
 
     def close(self) -> None:
         self.f.close()
@@ -238,10 +313,10 @@ def upload(files: list[tuple[Path, str]], prefix: str, options: Mapping[str, Any
     """Upload each ``(local file, name)`` to ``<prefix>/<name>``; returns what was uploaded and skipped.
 
     An object appears under its name only when its (multipart) upload completes: one cut off leaves no
-    object, or the one before it. Each is verified after: its size, and the SHA-256 of its bytes read
-    back. ``state`` records each upload (its SHA-256, size and ETag), after each one: a file whose bytes
-    and object are those of the last upload is skipped, so a rerun that changed nothing uploads nothing,
-    and one cut off uploads only what it had not.
+    object, or the one before it as it was (``_write``; a file above 5 GiB: no object). Each is verified
+    after: its size, and the SHA-256 of its bytes read back. ``state`` records each upload (its SHA-256,
+    size and ETag), after each one: a file whose bytes and object are those of the last upload is
+    skipped, so a rerun that changed nothing uploads nothing, and one cut off uploads only what it had not.
 
     Raises:
         StorageError: an upload was refused or did not verify, naming the object.
@@ -270,11 +345,13 @@ def upload(files: list[tuple[Path, str]], prefix: str, options: Mapping[str, Any
                 got_size, got_etag = there.size(), etag(there)
             if got_size != size or _remote_sha256(fs, path) != sha:
                 raise StorageError(
-                    f"output.upload: '{url}' does not hold what was uploaded ({got_size} of {size} bytes, or "
+                    f"output.upload: '{redact(url)}' does not hold what was uploaded ({got_size} of {size} bytes, or "
                     "another checksum); run the workflow again to upload it"
                 )
         except OSError as e:
-            raise StorageError(f"output.upload: cannot write '{url}': {_first_line(e)}; {_hint(options)}") from e
+            raise StorageError(
+                f"output.upload: cannot write '{redact(url)}': {_first_line(e)}; {_hint(options)}"
+            ) from e
         done[url] = {"sha256": sha, "size": size, "etag": got_etag}
         atomic_write_text(state, json.dumps(done, indent=1, sort_keys=True) + "\n")
         uploaded.append(url)
@@ -282,21 +359,43 @@ def upload(files: list[tuple[Path, str]], prefix: str, options: Mapping[str, Any
 
 
 def _write(fs: pafs.S3FileSystem, local: Path, path: str) -> None:
-    """``local``'s bytes as the object ``path`` (a multipart upload above a few MiB). Closing pyarrow's
-    stream completes the upload with what was written, even after an error (a signal, a read error):
-    the object it made is then removed, so that no part of the file is left under its name. (A process
-    killed outright never completes its upload: nothing appears.)"""
-    stream = fs.open_output_stream(path)
+    """``local``'s bytes as the object ``path``, leaving the object there before as it was until they are
+    all up. Closing pyarrow's stream completes its (multipart) upload with what was written, even after
+    an error (a signal, a read error; pyarrow has no abort), so the bytes go to a temporary object beside
+    it (``_partial``), which is copied to its name once complete (S3's CopyObject: on the server, atomic)
+    and removed; after an error only the temporary object is, and a process killed outright never
+    completes its upload. A file larger than ``COPY_LIMIT``, which CopyObject cannot take, is written
+    under its name, and removed after an error (the one before it is then gone too)."""
+    direct = local.stat().st_size > COPY_LIMIT
+    target = path if direct else _partial(path)
+    stream = fs.open_output_stream(target)
     try:
         with open(local, "rb") as src:
             while chunk := src.read(CHUNK):
                 stream.write(chunk)
     except BaseException:
+        completed = False
         with contextlib.suppress(Exception):
-            stream.close()
-            fs.delete_file(path)
+            stream.close()  # (completes the upload with what was written: pyarrow cannot abort one)
+            completed = True
+        if completed or not direct:  # (a direct upload never completed left the object before it as it was)
+            with contextlib.suppress(Exception):
+                fs.delete_file(target)
         raise
     stream.close()
+    if not direct:
+        try:
+            fs.copy_file(target, path)
+        finally:
+            with contextlib.suppress(Exception):
+                fs.delete_file(target)
+
+
+def _partial(path: str) -> str:
+    """Where an upload to ``path`` is written first: beside it, a name starting with '.', which globs and
+    dataset readers (pyarrow's, Hugging Face's) skip; the next upload of the same file overwrites it."""
+    head, _, name = path.rpartition("/")
+    return f"{head}/.{name}.shardgen-upload"
 
 
 def require_writable(prefix: str | None, options: Mapping[str, Any] | None) -> None:
@@ -318,5 +417,5 @@ def check_writable(prefix: str, options: Mapping[str, Any] | None) -> str | None
             f.write(b"shardgen preflight: may this run upload here?\n")
         fs.delete_file(probe)
     except OSError as e:
-        return f"output.upload: cannot write under '{prefix}': {_first_line(e)}; {_hint(options)}"
+        return f"output.upload: cannot write under '{redact(prefix)}': {_first_line(e)}; {_hint(options)}"
     return None

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from shardgen import storage
 from shardgen.errors import ConfigError
 
 # Keys that would put a credential in the config, where it would be copied
@@ -40,12 +41,9 @@ CREDENTIAL_PATTERNS = {
     "a Google API key": re.compile(r"\bAIza[0-9A-Za-z_-]{35}"),
     "a private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
     "a JSON web token": re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),
-    "a password in a URL": re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]+:[^/\s@]+@"),
-    "a credential in a URL": re.compile(
-        r"[?&](token|access_token|api_?key|key|sig|signature|x-amz-signature|x-amz-credential|x-goog-signature"
-        r"|password|secret)=[^&\s]+",
-        re.IGNORECASE,
-    ),
+    "a password in a URL": storage.USER_PASSWORD,
+    "a token in a URL": storage.USER_TOKEN,
+    "a credential in a URL": storage.QUERY_CREDENTIAL,
 }
 # Where key names are data, not settings.
 _DATA_KEYS = (("sampling", "structured_outputs", "json"),)

@@ -69,3 +69,16 @@ def test_the_content_fingerprints_of_a_run_of_steps_are_pinned():
     draft, judge = steps.step_configs(raw)
     assert [cfg.content_fingerprint(c, ENGINE) for c in (draft, judge)] == ["ecac43a65beb75df", "60362abf2cf4f328"]
     assert steps.content_digest([draft, judge]) == "38aebd33fde0d0a4"
+
+
+def test_a_shards_fingerprint_over_objects_holds_their_etag_and_over_local_files_stays_as_pinned():
+    """An object rewritten in place with the same size has the same path, size and mtime_ns (0), and
+    another ETag: its shards are generated again. A local file's entry (etag None) keeps its pin."""
+    config = _config(input={"parquet": ["s3://b/in-*.parquet"]})
+    objects = [f | {"path": "s3://b/" + f["path"].rsplit("/", 1)[1], "mtime_ns": 0, "etag": '"e1"'} for f in FILES]
+    rewritten = [objects[0] | {"etag": '"e2"'}, objects[1]]
+    one, two = (_manifest({"kind": "parquet", "files": files}) for files in (objects, rewritten))
+    assert shard_fingerprint(config, one, one.shards[0]) != shard_fingerprint(config, two, two.shards[0])
+    assert shard_fingerprint(config, one, one.shards[1]) == shard_fingerprint(config, two, two.shards[1])
+    local = _manifest({"kind": "parquet", "files": [f | {"etag": None} for f in FILES]})  # as ParquetFileInfo
+    assert shard_fingerprint(_config(), local, local.shards[0]) == "0aa007c5be3865b9"

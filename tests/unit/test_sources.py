@@ -160,3 +160,16 @@ def test_a_local_data_file_of_an_hf_input_decides_replanning_as_a_parquet_file_d
     after = [input_signature(InputConfig(hf=args)) for args in forms]
     assert all(b != a for b, a in zip(before, after, strict=True))
     assert input_signature(InputConfig(hf={"path": "org/some-hub-dataset"})) == []
+
+
+def test_a_glob_that_reaches_a_file_twice_lists_it_once(tmp_path):
+    """glob.glob returns 'data/sub/x' once for each way 'data/**/**' reaches 'data/sub' (as S3's expansion,
+    ``storage.glob_match``, does not): the file is named once, not refused as listed twice."""
+    from shardgen.sources import expand_patterns
+
+    for path in ("data/a.parquet", "data/sub/b.parquet", "data/sub/deeper/c.parquet"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(b"x")
+    got = expand_patterns([str(tmp_path / "data/**/**/*.parquet")], "input.parquet")
+    assert [os.path.relpath(p, tmp_path) for p in got] == [
+        "data/a.parquet", "data/sub/b.parquet", "data/sub/deeper/c.parquet"]  # fmt: skip

@@ -61,7 +61,9 @@ def test_s3_objects_plan_and_read_as_the_same_files_on_local_disk_do(tmp_path, s
     got = [r for s in Manifest.load(tmp_path / "results" / "plan" / "manifest.json").shards
            for b in source.read(s.segments) for r in b.to_pylist()]  # fmt: skip
     assert got == [r for p in local for r in pq.read_table(p).to_pylist()]
-    assert build_manifest(config(tmp_path, ["s3://plan-read/data/**.parquet"], s3_server))["total_rows"] == 45
+    # as glob.glob: '**' alone in a component crosses directories (zero or more), within a name it is '*'
+    assert build_manifest(config(tmp_path, ["s3://plan-read/data/**/*.parquet"], s3_server))["total_rows"] == 45
+    assert build_manifest(config(tmp_path, ["s3://plan-read/data/**.parquet"], s3_server))["total_rows"] == 43
 
     # rewritten between planning and a job: refused, naming the object
     client.put_object(Bucket="plan-read", Key="data/part-1.parquet", Body=parquet_bytes(make_rows(9, start=7)))
@@ -276,3 +278,134 @@ def test_a_compute_job_that_cannot_read_the_objects_is_named_with_its_node_befor
     said = str(e.value)
     assert said.startswith("input: cannot read 's3://reach/data/part-0.parquet': ") and "Slurm job 4242" in said
     assert "the nodes that run the generate jobs must reach the endpoint" in said and "no generate job" in said
+
+
+def same_size_versions(n: int) -> tuple[bytes, bytes]:
+    """Two Parquet objects of ``n`` rows in row groups of 7 with the same size and layout, whose text
+    differs (a same-length typo fix): only their ETags tell them apart."""
+    out = []
+    for version in ("v1", "v2"):
+        # (a column of 4 KB a row that the read leaves out: the row groups' other columns are apart, each
+        # read when its rows are, not with the footer or the first row group's)
+        rows = [{"id": f"r{i:05d}", "pad": "x" * 4000, "topic": f"{version} text {i:05d}"} for i in range(n)]
+        buf = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(rows), buf, row_group_size=7, compression="none", use_dictionary=False)
+        out.append(buf.getvalue())
+    assert len(out[0]) == len(out[1]) and out[0] != out[1]
+    return out[0], out[1]
+
+
+def test_an_object_rewritten_in_place_with_the_same_size_is_another_input_for_its_shards(
+    tmp_path, s3_server, monkeypatch
+):
+    from shardgen import config as cfg
+    from shardgen.identity import shard_fingerprint
+
+    monkeypatch.setattr(cfg, "engine_version", lambda: "0.32.0")
+    client = s3_bucket(s3_server, "rewritten")
+    v1, v2 = same_size_versions(20)
+    client.put_object(Bucket="rewritten", Key="data/part-0.parquet", Body=v1)
+    run = config(tmp_path, ["s3://rewritten/data/*.parquet"], s3_server)
+    before = Manifest(build_manifest(run))
+    client.put_object(Bucket="rewritten", Key="data/part-0.parquet", Body=v2)
+    after = Manifest(build_manifest(run))
+    old, new = before.data["source"]["files"][0], after.data["source"]["files"][0]
+    assert (old["path"], old["size"], old["mtime_ns"]) == (new["path"], new["size"], new["mtime_ns"])
+    assert old["etag"] != new["etag"]
+    assert shard_fingerprint(run, before, before.shards[0]) != shard_fingerprint(run, after, after.shards[0])
+
+
+def test_an_object_rewritten_while_it_is_read_fails_the_read_rather_than_yield_rows_of_the_new_version(
+    tmp_path, s3_server
+):
+    """The HEAD before a read and the ranged reads after it are separate requests: an object rewritten
+    between two row groups must not give the rows after it from the new bytes (same size, same layout:
+    they would decode)."""
+    client = s3_bucket(s3_server, "mid-read")
+    v1, v2 = same_size_versions(35)  # 5 row groups
+    client.put_object(Bucket="mid-read", Key="part-0.parquet", Body=v1)
+    source = storage_source(["s3://mid-read/part-0.parquet"], s3_server)
+    batches = source.read([Segment(0, 0, 35)], batch_rows=7, columns=["id", "topic"])
+    first = next(batches).to_pylist()
+    assert [r["topic"] for r in first] == [f"v1 text {i:05d}" for i in range(7)]
+    client.put_object(Bucket="mid-read", Key="part-0.parquet", Body=v2)
+    with pytest.raises(InputError, match=r"'s3://mid-read/part-0.parquet' changed while it was read \(.*\); rerun the"):
+        for batch in batches:
+            assert all(r["topic"].startswith("v1") for r in batch.to_pylist()), "a row of the new version"
+    # (the same read started after the rewrite: refused before any row, as changed after planning)
+    with pytest.raises(InputError, match=r"'s3://mid-read/part-0.parquet' changed after planning"):
+        next(source.read([Segment(0, 0, 35)], batch_rows=7))
+
+
+def test_an_interrupted_upload_leaves_the_object_of_the_upload_before_it_as_it_was(tmp_path, s3_server, monkeypatch):
+    client = s3_bucket(s3_server, "kept")
+    local = tmp_path / "output.parquet"
+    local.write_bytes(b"v1" * 1000)
+    state = tmp_path / "uploaded.json"
+    assert storage.upload([(local, "output.parquet")], "s3://kept/run/", {"endpoint_url": s3_server}, state)[
+        "uploaded"] == ["s3://kept/run/output.parquet"]  # fmt: skip
+    v1 = local.read_bytes()
+    local.write_bytes(bytes(range(256)) * 1024)  # v2: 256 KiB, 4 chunks
+    monkeypatch.setattr(storage, "CHUNK", 64 << 10)
+    real_open, opened = open, []
+
+    class Failing:
+        """The local file, whose read fails after its first chunk (a disk error, a signal)."""
+
+        def __init__(self, *args):
+            self.f = real_open(*args)
+
+        def read(self, n):
+            if self.f.tell() > 0:
+                raise OSError("read error")
+            return self.f.read(n)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def failing(path, mode="r"):  # the second open of the file: the upload's, after its checksum's
+        opened.append(path)
+        return Failing(path, mode) if opened.count(local) == 2 else real_open(path, mode)
+
+    monkeypatch.setattr(storage, "open", failing, raising=False)
+    with pytest.raises((OSError, StorageError)):
+        storage.upload([(local, "output.parquet")], "s3://kept/run/", {"endpoint_url": s3_server}, state)
+    assert opened.count(local) == 2, "cut off while uploading"
+    assert client.get_object(Bucket="kept", Key="run/output.parquet")["Body"].read() == v1
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="kept").get("Contents", [])]
+    assert [k for k in keys if not k.endswith("/")] == ["run/output.parquet"], "nothing else left behind"
+    monkeypatch.undo()
+    assert storage.upload([(local, "output.parquet")], "s3://kept/run/", {"endpoint_url": s3_server}, state)[
+        "uploaded"] == ["s3://kept/run/output.parquet"]  # fmt: skip
+    assert client.get_object(Bucket="kept", Key="run/output.parquet")["Body"].read() == local.read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("bucket", "pattern"),
+    [
+        ("globs-1", "data/**/*.parquet"),
+        ("globs-2", "data/part-[!1].parquet"),
+        ("globs-3", "data/**"),
+        ("globs-4", "*/*/part-?.parquet"),
+    ],
+)
+def test_an_s3_glob_selects_the_objects_the_same_glob_selects_of_the_same_files_on_disk(
+    tmp_path, s3_server, bucket, pattern
+):
+    import os
+
+    from shardgen.sources import expand_patterns
+
+    client = s3_bucket(s3_server, bucket)
+    keys = ["data/part-1.parquet", "data/part-2.parquet", "data/a/part-3.parquet", "data/a/b/part-4.parquet",
+            "data/.hidden.parquet", "data/.cache/part-5.parquet"]  # fmt: skip
+    for key in keys:
+        client.put_object(Bucket=bucket, Key=key, Body=b"x")
+        (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / key).write_bytes(b"x")
+    remote = storage.expand([f"s3://{bucket}/{pattern}"], {"endpoint_url": s3_server}, "input.parquet")
+    local = expand_patterns([os.path.join(tmp_path, pattern)], "input.parquet")
+    assert [u.removeprefix(f"s3://{bucket}/") for u in remote] == [os.path.relpath(p, tmp_path) for p in local]
