@@ -16,8 +16,15 @@ the rows that fail get an error.
 
 The run's fingerprint holds the digest of the function's file (a module's: its file and its
 distribution's version, ``function_digest``): an edited function reruns its step and those after it,
-nothing before it. The preflight imports the function on the machine the workflow starts on and runs it
-on sample rows (``check_rows``) before any job.
+nothing before it. The preflight (``check_rows``), on the machine the workflow starts on, imports the
+function in a worker process as a job's are, and calls it there on a few sampled rows, each with its
+timeout; never on a later step's (none exists yet), nor with ``function.preflight: false``.
+
+The workers start from a forkserver (``_pool``): the job's process has threads (the claim heartbeat,
+pebble's own), which a fork would copy with their locks held. What crosses back from a worker is plain
+(typed values, texts, exceptions of this module): an exception pickle cannot rebuild in the job's
+process would break the pool. A function that cannot load in a job's workers, or a pool that breaks,
+is the attempt's failure (``FunctionFailed``), never a row's error.
 """
 
 from __future__ import annotations
@@ -27,10 +34,13 @@ import json
 import logging
 import multiprocessing
 import os
+import socket
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +49,7 @@ import pyarrow as pa
 
 from shardgen import config as cfg
 from shardgen import pycode, tasks
-from shardgen.errors import ConfigError, RowError
+from shardgen.errors import ConfigError, RowError, ShardgenError, error_reason
 from shardgen.feed import ShardLoop, ShardWork
 from shardgen.results import DROPPED, RESERVED_COLUMNS, Columns
 from shardgen.stats import AttemptCounters
@@ -50,6 +60,29 @@ log = logging.getLogger(__name__)
 TYPES = {"bool": pa.bool_(), "int64": pa.int64(), "float64": pa.float64(), "string": pa.string(), "json": pa.string()}
 # How often the job looks at its stop flag and its checkpoint while rows run.
 POLL_SECONDS = 0.5
+# The preflight calls the function on at most this many sampled rows: each call is one more than once
+# per row (a verifier may have side effects), and a few real rows find what a wrong function does.
+PREFLIGHT_ROWS = 8
+# The least time the preflight gives the function's import (a longer timeout_seconds gives it more): a
+# slow import is no hang, and a job's worker imports it outside any row's timeout.
+IMPORT_SECONDS = 60.0
+# What the preflight waits for a call past its timeout, for pebble to report it.
+LATE_SECONDS = 10.0
+
+
+class FunctionFailed(ShardgenError):
+    """The function cannot run in this job's worker processes (its import failed there, the pool of
+    workers broke): the attempt's failure, naming the function, the error and the node. No row is an
+    error of it: the next attempt runs the rows."""
+
+
+class LoadFailed(Exception):
+    """Raised in a worker whose function did not load; its one argument says why (picklable)."""
+
+
+class FunctionRaised(Exception):
+    """A batch call's exception as ``"<Type>: <first line>"``: what crosses back whatever the function
+    raised (its own exception class may not unpickle in the job's process)."""
 
 
 # -- The function -------------------------------------------------------------------------------------
@@ -125,7 +158,8 @@ def typed_value(column: str, kind: str, value: Any) -> Any:
             raise RowError("wrong_type", f"column {column!r}: not a JSON value ({e})") from None
     if not ok:
         raise RowError("wrong_type", f"column {column!r}: {type(value).__name__} {value!r:.80}, not {kind}")
-    return value
+    # the plain type (a subclass of str or int may be of a module the job's process cannot unpickle)
+    return {"bool": bool, "int64": int, "float64": float, "string": str}[kind](value)
 
 
 def typed_row(out: Any, columns: Mapping[str, str]) -> dict[str, Any]:
@@ -158,20 +192,65 @@ def _values(column: Any, n: int, name: str) -> list[Any]:
 # -- In the worker processes ------------------------------------------------------------------------------
 
 _FUNCTION: Callable[[Any], Any] | None = None
+_LOAD_ERROR: str | None = None  # why the function did not load in this worker
 
 
-def _init_worker(spec: Mapping[str, Any]) -> None:
-    global _FUNCTION
-    _FUNCTION = load_function(spec)
+def _pool(spec: Mapping[str, Any], processes: int) -> pebble.ProcessPool:
+    """``processes`` worker processes, each of which imports the function once as it starts (outside any
+    row's timeout). ``forkserver``, as the rollout tools' pool: the caller has Python threads (the claim
+    heartbeat, pebble's), which a fork would copy with a lock held. The server preloads this module, so
+    a worker starts in tens of milliseconds, not half a second (its default, ``__main__``, is never
+    preloaded in CPython 3.11: the key the forkserver passes is not the one it reads); its one other
+    thread is then pyarrow's jemalloc background thread, which jemalloc's own fork handlers make safe.
+    A worker gets the caller's environment, ``sys.path`` and working directory as they are now, as a
+    forked one would (the server's are those of when it started)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__", __name__])  # read when the server starts (once a process)
+    state = (dict(os.environ), list(sys.path), os.getcwd())
+    return pebble.ProcessPool(max_workers=processes, initializer=_init_worker, initargs=(dict(spec), *state),
+                              context=context)  # fmt: skip
+
+
+def _init_worker(spec: Mapping[str, Any], environ: dict[str, str], path: list[str], cwd: str) -> None:
+    """Load the function; a failure is kept, not raised: pebble would end the worker and break the pool, and
+    every row's call reports it instead (``LoadFailed``), which the job makes its attempt's failure."""
+    global _FUNCTION, _LOAD_ERROR
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.path[:] = path
+    try:
+        os.chdir(cwd)
+    except OSError:
+        pass
+    try:
+        _FUNCTION = load_function(spec)
+    except BaseException as e:  # noqa: BLE001 - a SystemExit at import too: it fails the attempt, by name
+        raised = f"importing it raised {type(e).__name__}: {pycode.first_line(e)}"
+        why = str(e) if isinstance(e, ConfigError) else raised
+        _LOAD_ERROR = f"{why} (on {socket.gethostname()})"
+
+
+def _loaded() -> str | None:
+    """In a worker: why the function did not load, or None (the preflight's first task)."""
+    return _LOAD_ERROR
 
 
 def _call(rows: list[dict[str, Any]] | pa.RecordBatch, columns: Mapping[str, str]) -> list[tuple[str | None, Any]]:
     """In a worker: ``(error, columns)`` for each row, the function called once per row (a list of
-    rows: one) or once for the batch (a RecordBatch: its failure is raised, for the caller to run its
-    rows one by one)."""
+    rows: one) or once for the batch (a RecordBatch: its failure is raised, ``FunctionRaised`` for the
+    function's own exception, for the caller to run its rows one by one).
+
+    Raises:
+        LoadFailed: the function did not load in this worker.
+    """
+    if _LOAD_ERROR is not None:
+        raise LoadFailed(_LOAD_ERROR)
     assert _FUNCTION is not None
     if isinstance(rows, pa.RecordBatch):
-        out = _FUNCTION(rows)
+        try:
+            out = _FUNCTION(rows)
+        except BaseException as e:  # one that unpickles in the job's process, not the function's own
+            raise FunctionRaised(f"{type(e).__name__}: {pycode.first_line(e)}") from e
         if not isinstance(out, Mapping):
             raise TypeError(f"returned a {type(out).__name__}, not a dict of columns")
         values = {str(c): _values(v, rows.num_rows, str(c)) for c, v in out.items()}
@@ -181,7 +260,7 @@ def _call(rows: list[dict[str, Any]] | pa.RecordBatch, columns: Mapping[str, str
         for row in rows:
             try:
                 per_row.append(_FUNCTION(row))
-            except Exception as e:  # noqa: BLE001 - the row's error: its type and first line
+            except BaseException as e:  # noqa: BLE001 - the row's error (sys.exit too): its type and first line
                 per_row.append(RowError("exception", f"{type(e).__name__}: {pycode.first_line(e)}"))
     results: list[tuple[str | None, Any]] = []
     for out in per_row:
@@ -219,6 +298,7 @@ class FunctionTask(tasks.Task):
 
     name = "function"
     uses_engine = False
+    preflight_rows = PREFLIGHT_ROWS  # the preflight samples no more rows than it calls the function on
     spec: FunctionSpec
 
     @classmethod
@@ -236,9 +316,9 @@ class FunctionTask(tasks.Task):
     @classmethod
     def content(cls, config: Mapping[str, Any]) -> dict[str, Any]:
         """The function's code (``function_digest``), name, columns and how it is called: not where its
-        file is, nor how many processes run it."""
+        file is, how many processes run it, nor whether the preflight calls it."""
         function = config["function"]
-        kept = {k: v for k, v in function.items() if k not in ("path", "processes")}
+        kept = {k: v for k, v in function.items() if k not in ("path", "processes", "preflight")}
         return {"task": cls.name, "function": kept, "code": function_digest(function)}
 
     @classmethod
@@ -262,71 +342,119 @@ class FunctionTask(tasks.Task):
         return FunctionFeed(self, work, stop, counters).run()
 
     @classmethod
-    def check_rows(cls, config: Any, rows: list[tuple[int, dict[str, Any]]], schema: pa.Schema) -> tuple[list, list]:
-        return check_rows(config.raw["function"], rows, schema)
+    def check_rows(cls, config: Any, rows: list[tuple[int, dict[str, Any]]], schema: pa.Schema) -> tuple:
+        """``check_rows``; returns the problems, the notes and the preflight report's fields: how many
+        times it called the function (``function_calls``) and, if it did not, why not."""
+        spec = config.raw["function"]
+        problems, notes, calls = check_rows(spec, rows, schema)
+        if not spec.get("preflight", True):
+            why = "function.preflight: false"
+        elif config.input.step is not None:
+            why = "a later step: its rows do not exist yet"
+        else:
+            why = None if rows else "no row to sample"
+        return problems, notes, {"function_calls": calls} | ({"function_not_called": why} if why else {})
 
 
 def check_rows(
     spec: Mapping[str, Any], rows: list[tuple[int, dict[str, Any]]], schema: pa.Schema
-) -> tuple[list[str], list[str]]:
-    """The preflight of a function: it imports (``load_function``) and, called on ``rows`` (a sample of
-    the input; for a later step, whose rows do not exist yet, one made of its columns' types), returns
-    the declared columns with their types. Returns the problems (a function that cannot run) and notes
-    (a sample row it raised on, which only that row would suffer)."""
-    try:
-        fn = load_function(spec)
-    except ConfigError as e:
-        return [str(e)], []
-    if not rows:
-        rows = [(0, placeholder_row(schema))]
+) -> tuple[list[str], list[str], int]:
+    """The preflight of a function, in a worker process as a job runs it (``_pool``), never in this one:
+    it imports the function (at most ``IMPORT_SECONDS``, or ``timeout_seconds`` if longer) and checks it
+    takes one argument; then, unless ``function.preflight`` is false, calls it on up to
+    ``PREFLIGHT_ROWS`` of ``rows`` (a sample of the input; none for a later step, whose rows do not
+    exist yet), one at a time, each at most ``timeout_seconds``, and checks it returns the declared
+    columns with their types. It stops calling after a row past its timeout or that ended its process,
+    and once its calls took ``timeout_seconds`` in all.
+
+    Returns:
+        The problems (a function that cannot run: refused before any job), the notes (a row it
+        raised on, stopped on or ended its process on, which only that row would suffer in the run),
+        and how many times it called the function.
+    """
+    name, columns = describe(spec), spec["columns"]
+    at = f"function {name}"
+    timeout = float(spec.get("timeout_seconds") or 60)
     problems: list[str] = []
     notes: list[str] = []
-    columns = spec["columns"]
-    for index, row in rows:
-        row = {k: v for k, v in row.items() if k != DROPPED}
+    calls = 0
+    pool = _pool(spec, 1)
+    try:
+        bound = max(timeout, IMPORT_SECONDS)
         try:
+            why = _result(pool, pool.schedule(_loaded), bound)
+        except FutureTimeout:
+            why = (f"{at}: importing it took more than {bound:g} s in a worker process (function."
+                   f"timeout_seconds, at least {IMPORT_SECONDS:g} s); a job's workers would hang as long")  # fmt: skip
+        except (BrokenProcessPool, pebble.ProcessExpired) as e:
+            why = (f"{at}: its worker process ended while importing it ({type(e).__name__}: "
+                   f"{pycode.first_line(e)}); so would a job's")  # fmt: skip
+        if why is not None:
+            return [why], [], 0
+        if not spec.get("preflight", True):
+            return [], [], 0
+        started = time.monotonic()
+        for index, row in rows[:PREFLIGHT_ROWS]:
+            if calls and time.monotonic() - started >= timeout:
+                break
+            row = {k: v for k, v in row.items() if k != DROPPED}
+            arg: Any = [row]
             if spec.get("batch"):
-                out = fn(pa.RecordBatch.from_pylist([row], schema=_without_dropped(schema)))
-                out = {c: _values(v, 1, c)[0] for c, v in out.items()} if isinstance(out, Mapping) else out
-            else:
-                out = fn(row)
-        except Exception as e:  # noqa: BLE001 - that row's error in a job
-            notes.append(f"function {describe(spec)} raised on row {index}: {type(e).__name__}: {pycode.first_line(e)} "
-                         "(in the run, that row's error)")  # fmt: skip
-            continue
-        try:
-            typed_row(out, columns)
-        except RowError as e:
-            problems.append(f"function {describe(spec)}: on row {index} it {e.args[0]} [{e.reason}]; fix the "
-                            "function or function.columns")  # fmt: skip
+                arg = pa.RecordBatch.from_pylist([row], schema=_without_dropped(schema))
+            future = pool.schedule(_call, args=(arg, columns), timeout=timeout)
+            calls += 1
+            try:
+                ((error, _),) = _result(pool, future, timeout + LATE_SECONDS)
+            except FunctionRaised as e:
+                error = str(RowError("exception", e.args[0]))
+            except FutureTimeout:
+                notes.append(f"{at} took more than function.timeout_seconds ({timeout:g} s) on row {index} (in "
+                             "the run, that row's timeout error); the preflight called it on no more rows")  # fmt: skip
+                break
+            except (pebble.ProcessExpired, BrokenProcessPool) as e:
+                code = f"exit code {e.exitcode}" if isinstance(e, pebble.ProcessExpired) else type(e).__name__
+                notes.append(f"{at}: its process ended ({code}) on row {index} (in the run, that row's worker_died "
+                             "error); the preflight called it on no more rows")  # fmt: skip
+                break
+            except (TypeError, ValueError) as e:  # a batch's return that is not a column per declared name
+                problems.append(f"{at}: on row {index} (a batch of one row): {pycode.first_line(e)}; fix the "
+                                "function or function.columns")  # fmt: skip
+                break
+            if error is None:
+                continue
+            reason, _, what = error.partition(": ")
+            if error_reason(error) == "exception":
+                notes.append(f"{at} raised on row {index}: {what} (in the run, that row's error)")
+                continue
+            problems.append(f"{at}: on row {index} it {what} [{reason}]; fix the function or function.columns")
             break
-    return problems, notes
+    finally:
+        pool.stop()  # a worker still importing or on a row past its timeout is ended
+        pool.join(timeout=LATE_SECONDS)
+    return problems, notes, calls
+
+
+def _result(pool: pebble.ProcessPool, future: Future, timeout: float) -> Any:
+    """``future``'s result, waited for at most ``timeout`` seconds.
+
+    Raises:
+        BrokenProcessPool: the pool broke before it took the task (pebble aborts only the tasks it has
+            taken: a worker that ends its process at import can break it first).
+        TimeoutError: ``timeout`` passed; or the task's own (pebble's timeout), with ``future`` done.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return future.result(timeout=min(POLL_SECONDS, max(deadline - time.monotonic(), 0)))
+        except FutureTimeout:
+            if future.done() or time.monotonic() >= deadline:
+                raise
+            if not pool.active:
+                raise BrokenProcessPool("the pool stopped before it ran the task") from None
 
 
 def _without_dropped(schema: pa.Schema) -> pa.Schema:
     return pa.schema([f for f in schema if f.name != DROPPED])
-
-
-def placeholder_row(schema: pa.Schema) -> dict[str, Any]:
-    """A row of ``schema`` with a value of each column's type (an empty text, 0, false, an empty list):
-    what a preflight can call a later step's function on before the step before made its rows."""
-
-    def value(t: pa.DataType) -> Any:
-        if pa.types.is_string(t) or pa.types.is_large_string(t):
-            return ""
-        if pa.types.is_boolean(t):
-            return False
-        if pa.types.is_integer(t):
-            return 0
-        if pa.types.is_floating(t):
-            return 0.0
-        if pa.types.is_list(t) or pa.types.is_large_list(t):
-            return []
-        if pa.types.is_struct(t):
-            return {f.name: value(f.type) for f in t}
-        return None
-
-    return {f.name: value(f.type) for f in _without_dropped(schema)}
 
 
 # -- A shard's rows through the function ----------------------------------------------------------------
@@ -350,11 +478,10 @@ class FunctionFeed(ShardLoop):
 
         Raises:
             TooManyErrors: the shard's errors passed ``errors.max_rate``.
+            FunctionFailed: the function does not load in the workers, or their pool broke.
         """
-        spec, task = self.task.function, self.task
-        context = multiprocessing.get_context("fork")  # the workers start at once, the function loaded by each
-        pool = pebble.ProcessPool(max_workers=task.processes, initializer=_init_worker, initargs=(spec,),
-                                  context=context)  # fmt: skip
+        task = self.task
+        pool = _pool(task.function, task.processes)
         pending: dict[Future, tuple[list[tuple[int, dict[str, Any]]], float]] = {}
         rows = iter(self.work.remaining)
         exhausted = False
@@ -373,6 +500,8 @@ class FunctionFeed(ShardLoop):
                 for future in done:
                     chunk, submitted = pending.pop(future)
                     self._done(pool, pending, future, chunk, submitted, now)
+                if pending and not pool.active:  # broken before it took them: pebble aborts only those it took
+                    raise self._failed(BrokenProcessPool("the pool stopped with calls still to run"))
                 self._tick(now)
         finally:
             pool.stop()  # the rows still in flight are not saved: the next attempt runs them
@@ -403,13 +532,18 @@ class FunctionFeed(ShardLoop):
         else:
             ((_, row),) = chunk
             arg = [{k: v for k, v in row.items() if k != DROPPED}]
-        future = pool.schedule(_call, args=(arg, columns), timeout=self.task.timeout * len(chunk))
+        try:
+            future = pool.schedule(_call, args=(arg, columns), timeout=self.task.timeout * len(chunk))
+        except RuntimeError as e:  # pebble's pool broke ("Unexpected error within the Pool"): no row's doing
+            raise self._failed(e) from e
         pending[future] = (chunk, time.time())
         self.calls += 1
 
     def _done(self, pool, pending, future: Future, chunk, submitted: float, now: float) -> None:
         try:
             results = future.result()
+        except (LoadFailed, BrokenProcessPool) as e:  # the attempt's failure: no row of it is saved
+            raise self._failed(e) from e
         except Exception as e:  # noqa: BLE001 - the function's, its timeout, or its process dying
             if len(chunk) > 1:  # a batch: each of its rows on its own, so only those that fail are errors
                 self.retried_batches += 1
@@ -428,8 +562,22 @@ class FunctionFeed(ShardLoop):
             self.counters.latency.add(seconds)
             self._count_row()
 
+    def _failed(self, e: BaseException) -> FunctionFailed:
+        name = describe(self.task.function)
+        if isinstance(e, LoadFailed):
+            why = f"it does not load in this job's worker processes: {e.args[0]}"
+        else:
+            why = (
+                f"the pool of its worker processes on {socket.gethostname()} broke ({type(e).__name__}: "
+                f"{pycode.first_line(e)}; a worker that ended its process importing the function?)"
+            )
+        return FunctionFailed(f"function {name}: {why}. No row is an error of it: fix the environment the jobs "
+                              "run in, and the next attempt runs the rows")  # fmt: skip
+
     def _call_error(self, e: BaseException) -> str:
         name = describe(self.task.function)
+        if isinstance(e, FunctionRaised):
+            return str(RowError("exception", e.args[0]))
         if isinstance(e, FutureTimeout):
             return str(RowError("timeout", f"{name} took more than function.timeout_seconds "
                                            f"({self.task.timeout:g} s); its process was replaced"))  # fmt: skip

@@ -244,6 +244,9 @@ def merge(
         # counted as "rows" (input rows); each had its rows_per_input places in the shard files
         stats["rows_not_passed_on"] = dropped[0] // result_spec(config).rows_per_input
         stats["output_rows"] -= dropped[0]  # the rows of this step's output
+    if "function_calls" in stats:  # and the preflight's calls of the function, from its report
+        pre = json.loads(run_dir.preflight.read_text()).get("function_calls", 0) if run_dir.preflight.exists() else 0
+        stats["function_calls"] |= {"preflight": pre, "total": pre + stats["function_calls"]["shards"]}
     stats["cost"] = cost.run_cost(stats, config.cost)
     for shard in stats["shards"]:
         shard["cost"] = cost.shard_cost(shard, config.cost)

@@ -443,21 +443,24 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
 def _run_without_engine(
     config: RunConfig, manifest: Manifest, source: Any, problems: list[str], notes: list[str]
 ) -> dict[str, Any]:
-    """The preflight of a task without a model (a Python function): its columns, and the task itself
-    on sampled rows (a later step's rows do not exist yet: ``Task.check_rows`` makes one of their types)."""
+    """The preflight of a task without a model (a Python function): its columns, and the task itself on
+    a few sampled rows (``Task.check_rows``; up to the task's ``preflight_rows``). A later step's rows do
+    not exist yet: its task gets none, and checks what it can without them."""
     try:
         check_columns(config, source.schema, source.describe())
     except InputError as e:
         problems.append(str(e))
-    sample = [] if config.input.step is not None else sample_rows(source, manifest, config.preflight.sample_rows)
-    more_problems, more_notes = config.kind.check_rows(config, sample, source.schema)
+    n = min(config.preflight.sample_rows, getattr(config.kind, "preflight_rows", None) or config.preflight.sample_rows)
+    sample = [] if config.input.step is not None else sample_rows(source, manifest, n)
+    more_problems, more_notes, *fields = config.kind.check_rows(config, sample, source.schema)
     problems += more_problems
     notes += more_notes
     if problems:
         listed = "\n  - ".join(problems)
         raise PreflightError(f"preflight found {len(problems)} problem(s); no job was submitted:\n  - {listed}")
     rows, shards = manifest.total_rows, len(manifest.shards)
-    return {"ok": True, "problems": [], "warnings": notes, "task": config.task, "sampled_rows": max(len(sample), 1),
+    return {"ok": True, "problems": [], "warnings": notes, "task": config.task, "sampled_rows": len(sample),
+            **(fields[0] if fields else {}),  # what the task adds: a function's calls (function_calls)
             "estimate": {"rows": rows, "shards": shards, "gpus_per_job": 0, "gpu_hours_at_most": 0.0}}  # fmt: skip
 
 
@@ -498,8 +501,12 @@ def estimate(
 def report_text(report: dict[str, Any]) -> str:
     e = report["estimate"]
     if "vllm_build" not in report:  # a task without a model
-        lines = [f"preflight: ok (task {report['task']}, run on {report['sampled_rows']} sampled row(s))",
-                 f"  rows {e['rows']} in {e['shards']} shards, no GPU"]  # fmt: skip
+        ran = f"run on {report['sampled_rows']} sampled row(s)"
+        if "function_not_called" in report:
+            ran = f"imported and checked in a worker process, not called ({report['function_not_called']})"
+        elif "function_calls" in report:
+            ran = f"{report['function_calls']} call(s) of the function on {report['sampled_rows']} sampled row(s)"
+        lines = [f"preflight: ok (task {report['task']}, {ran})", f"  rows {e['rows']} in {e['shards']} shards, no GPU"]
         return "\n".join(lines + [f"  warning: {w}" for w in report["warnings"]])
     lines = [
         f"preflight: ok ({report['sampled_rows']} sampled rows; "

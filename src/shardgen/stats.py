@@ -381,9 +381,12 @@ class RunTotals:
         self.task = "generate"
         self.billed_gpu_hours = 0.0  # every attempt's (shardgen.cost)
         self.attempts_unmeasured = 0
+        self.function_calls = 0  # a Python step's: the calls of the attempts that committed its shards
 
     def add(self, s: dict[str, Any]) -> None:
         self.task = s.get("task", "generate")
+        if self.task == "function":
+            self.function_calls += (s.get("feed") or {}).get("calls") or 0
         for k in SUMMED:
             self.totals[k] += s.get(k) or 0
         earlier, unmeasured = cost.earlier_attempts(s)
@@ -416,6 +419,8 @@ class RunTotals:
         totals["rows_per_gpu_hour"] = _rate(totals["attempt_requests"], totals["gpu_hours"])
         totals["billed_gpu_hours"] = self.billed_gpu_hours
         totals["attempts_unmeasured"] = self.attempts_unmeasured
+        if self.task == "function":
+            totals["function_calls"] = {"shards": self.function_calls}  # merge adds the preflight's
         totals["spec_decode"] = (
             {**self.spec, "acceptance_rate": _rate(self.spec["accepted_tokens"], self.spec["draft_tokens"])}
             if self.spec_seen

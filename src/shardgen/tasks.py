@@ -136,7 +136,8 @@ class Task:
 
     @classmethod
     def check_rows(cls, config: RunConfig, rows: list[tuple[int, dict[str, Any]]], schema: pa.Schema) -> tuple:
-        """The preflight's check of the task on sample ``rows`` of ``schema``: (problems, notes)."""
+        """The preflight's check of the task on sample ``rows`` of ``schema``: (problems, notes), and
+        optionally a dict of fields for the preflight's report (a function's ``function_calls``)."""
         return [], []
 
 

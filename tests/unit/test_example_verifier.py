@@ -50,9 +50,9 @@ def test_the_verifier_tells_a_correct_answer_from_a_wrong_or_missing_one(spec, g
     assert functions.typed_row(out, spec["columns"]) == out  # of the declared columns and types
 
 
-def test_the_preflight_accepts_the_verifier_on_sampled_rows_and_on_a_later_steps_placeholder_row(spec):
+def test_the_preflight_accepts_the_verifier_on_sampled_rows_and_a_later_steps_without_calling_it(spec):
     schema = pa.schema([("problem", pa.string()), ("answer", pa.string()), ("sample_index", pa.int64()),
                         ("generation", pa.string())])  # fmt: skip
     row = {"problem": "1 + 1?", "answer": "2", "sample_index": 3, "generation": "\\boxed{2}"}
-    assert functions.check_rows(spec, [(0, row)], schema) == ([], [])
-    assert functions.check_rows(spec, [], schema) == ([], [])  # before the draft step made its rows
+    assert functions.check_rows(spec, [(0, row)], schema) == ([], [], 1)  # one call, in a worker process
+    assert functions.check_rows(spec, [], schema) == ([], [], 0)  # before the draft step made its rows: imported

@@ -5,6 +5,7 @@ the Slurm profile after the real engine: tests/integration/test_workflow.py, the
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -111,9 +112,10 @@ def test_a_stopped_function_job_resumes_without_calling_the_function_on_saved_ro
     from shardgen.stopflag import Interrupted
 
     monkeypatch.setenv("CALLS_FILE", str(tmp_path / "calls"))
+    monkeypatch.setenv("JOB_PID", str(os.getpid()))  # the workers are a forkserver's children, not the job's
     stopper = "    if n == 10 and not os.path.exists(os.environ['CALLS_FILE'] + '.stopped'):\n" \
               "        open(os.environ['CALLS_FILE'] + '.stopped', 'w').close()\n" \
-              "        os.kill(os.getppid(), 15)\n"  # fmt: skip
+              "        os.kill(int(os.environ['JOB_PID']), 15)\n"  # fmt: skip
     (tmp_path / "check.py").write_text(CHECK.replace('    n = row["n"]\n', '    n = row["n"]\n' + stopper))
     config = function_config(tmp_path, rows=40, processes=1)
     config = RunConfig.from_dict(dict(config.raw) | {"checkpoint": {"rows": 1, "seconds": 60}})

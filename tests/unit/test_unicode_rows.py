@@ -120,7 +120,7 @@ def test_no_text_fails_a_flush_whichever_writer_made_it(tmp_path, text):
                        "body": {"messages": [{"role": "user", "content": text}]}}).encode()  # fmt: skip
     request = openai_batch.request_row(line)
     (back,) = pa.Table.from_pylist([request], schema=openai_batch.BATCH_SCHEMA).to_pylist()
-    if lone_surrogate(text) is None:
-        assert back["messages"] == [{"role": "user", "content": text}] and back["request_error"] is None
+    if lone_surrogate(read) is None:
+        assert back["messages"] == [{"role": "user", "content": read}] and back["request_error"] is None
     else:
         assert back["messages"] is None and "not valid Unicode" in back["request_error"]
