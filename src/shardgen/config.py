@@ -506,6 +506,10 @@ def content_config(config: dict[str, Any], engine: str | None = None) -> dict[st
         "engine_version": engine or engine_version(),
     }
     out.update(task_kind(config).content(config))
+    engine = config.get("engine") or {}
+    if engine.get("kind", "vllm") != "vllm":  # another engine's text is not vLLM's (vLLM runs keep theirs)
+        # the fake's refused rows are errors; its crashes and speed change no row
+        out["engine"] = {"kind": engine["kind"], "reject_rows": (engine.get("fake") or {}).get("reject_rows")}
     if (config.get("lora") or {}).get("adapters"):  # runs without adapters keep their fingerprints
         out["lora"] = config["lora"]
     return out
@@ -631,6 +635,12 @@ class PoolingConfig:
 
 
 @dataclass(frozen=True)
+class EngineConfig:
+    kind: str = "vllm"
+    fake: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class PreflightConfig:
     sample_rows: int = 1000
     tokens_per_second: float = 2500
@@ -747,6 +757,7 @@ class RunConfig:
     preflight: PreflightConfig
     pooling: PoolingConfig
     lora: LoraConfig
+    engine: EngineConfig
     raw: Mapping[str, Any] = dataclasses.field(repr=False, compare=False)
     # a step of a run of steps (shardgen.steps.step_configs): its name, place and what it needs
     step: Mapping[str, Any] | None = None
@@ -771,6 +782,7 @@ class RunConfig:
             preflight=_section(PreflightConfig, raw["preflight"]),
             pooling=_section(PoolingConfig, raw["pooling"]),
             lora=_section(LoraConfig, raw["lora"]),
+            engine=_section(EngineConfig, raw["engine"]),
             raw=raw,
             step=raw.get("step"),
         )
@@ -838,4 +850,5 @@ SECTIONS = {
     "preflight": PreflightConfig,
     "pooling": PoolingConfig,
     "lora": LoraConfig,
+    "engine": EngineConfig,
 }

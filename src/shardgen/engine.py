@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from shardgen import fetch, gpus, jobenv, jobinfo, kernels, memory, multinode
 from shardgen.errors import RowError, ShardgenError
 from shardgen.installed import version_problem, vllm_build
+from shardgen.results import EngineRequest
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
@@ -213,6 +214,15 @@ class EngineSettings:
 
 # -- The engine ------------------------------------------------------------------------------------
 
+# The engines by ``engine.kind``: vLLM's here; another registers itself (``fake_engine``). Each is a class
+# whose instance is a job's handle on its engine, with ``Engine``'s methods.
+KINDS: dict[str, type] = {}
+
+
+def for_config(config: RunConfig) -> Any:
+    """A handle (not yet started) on the engine ``config.engine.kind`` names."""
+    return KINDS[config.engine.kind].of(config)
+
 
 def _fail_when_engine_core_dies(llm: Any) -> None:
     """Make the job's wait for the engine's outputs fail when its engine core process ends.
@@ -259,6 +269,11 @@ class Engine:
         self.starts = 0  # engines this handle started
         self._workers: Any = None  # multinode.Workers of an engine over several nodes
         self._counters = count_instead_of_prometheus(llm)
+
+    @classmethod
+    def of(cls, config: RunConfig) -> Engine:
+        """A handle for a job of ``config`` (``engine.kind: vllm``), to start with ``start``."""
+        return cls()
 
     @property
     def running(self) -> bool:
@@ -328,6 +343,44 @@ class Engine:
             self.llm = None
             self._stop_workers()
 
+    # -- Requests: what the feed asks of an engine (``feed.Feeder``) ---------------------------------
+
+    def submit(self, requests: list[EngineRequest]) -> list[Exception | None]:
+        """Add requests to the engine, in order; for each, None when it took it, or the error it was
+        refused with (vLLM validates each request; the model's processor each row's images).
+
+        The prompts go through vLLM's own input path (``renderer.render_cmpl``): one call for a batch
+        of text prompts, one per prompt with images (a row's images may be refused, not the batch's).
+        """
+        engine = self.llm.llm_engine
+        errors: list[Exception | None] = [None] * len(requests)
+        prompts: list[Any] = [r.prompt for r in requests]
+        renderer = getattr(engine, "renderer", None)
+        if renderer is not None and hasattr(renderer, "render_cmpl") and requests:
+            if not any("multi_modal_data" in p for p in prompts):
+                prompts = renderer.render_cmpl(prompts)  # one call for the batch (vLLM's own input path)
+            else:
+                for i, prompt in enumerate(prompts):
+                    try:
+                        prompts[i] = renderer.render_cmpl([prompt])[0]
+                    except Exception as e:  # noqa: BLE001 - the processor's validation of this row's images
+                        errors[i] = e
+        for i, (r, prompt) in enumerate(zip(requests, prompts, strict=True)):
+            if errors[i] is None:
+                try:
+                    engine.add_request(r.request_id, prompt, r.params, lora_request=r.lora)
+                except Exception as e:  # noqa: BLE001 - vLLM's per-request validation
+                    errors[i] = e
+        return errors
+
+    def step(self) -> list[Any]:
+        """One engine step: the outputs it made (vLLM's ``RequestOutput``/``PoolingRequestOutput``)."""
+        return self.llm.llm_engine.step()
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop requests the engine still holds."""
+        self.llm.llm_engine.abort_request(request_ids)
+
     def tokenizer(self, generates: bool = True, chat_template_kwargs: Mapping[str, Any] | None = None) -> Tokenizer:
         max_len = self.llm.llm_engine.model_config.max_model_len
         return Tokenizer(self.llm.get_tokenizer(), max_len, generates, chat_template_kwargs)
@@ -348,6 +401,9 @@ class Engine:
     def counters(self) -> dict[str, float]:
         """The engine's cumulative counters now (empty when stats logging is off)."""
         return dict(self._counters.totals) if self._counters is not None else {}
+
+
+KINDS["vllm"] = Engine
 
 
 class EngineCounters:

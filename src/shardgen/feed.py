@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from shardgen.errors import RowError, ShardgenError, error_reason
 from shardgen.images import row_images
 from shardgen.progress import progress_bar
-from shardgen.results import DROPPED, Completion
+from shardgen.results import DROPPED, Completion, EngineRequest
 from shardgen.stats import AttemptCounters
 
 log = logging.getLogger(__name__)
@@ -324,24 +324,24 @@ class Feeder:
     """Feeds an engine from an iterator of requests, keeping ``window`` requests in flight.
 
     Args:
-        llm: a running ``vllm.LLM``.
+        engine: a started engine (``engine.Engine``, or any with its ``submit``, ``step``, ``abort`` and
+            ``max_num_seqs``: ``fake_engine.FakeEngine``).
         window: requests kept unfinished in the engine; by default twice its
             ``max_num_seqs``, so its scheduler always has waiting requests to
             admit when a sequence finishes.
     """
 
-    def __init__(self, llm: Any, window: int | None = None) -> None:
-        self._engine = llm.llm_engine
+    def __init__(self, engine: Any, window: int | None = None) -> None:
+        self._engine = engine
         self._feed_id = ""
-        self.window = window or 2 * self._engine.vllm_config.scheduler_config.max_num_seqs
+        self.window = window or 2 * engine.max_num_seqs
         self.stats = FeedStats()
 
     def _add(self, batch: list[Request]) -> Iterator[tuple[Request, str | None, Exception | None]]:
         """Add requests to the engine; ``(request, request id, None)`` for each one it took,
         ``(request, None, error)`` for each one it refused (vLLM validates each request) or whose
         images do not decode (decoded here, so that only the requests in flight hold theirs)."""
-        prompts: list[Any] = []
-        ready: list[Request] = []
+        submitted: list[tuple[Request, EngineRequest]] = []
         for r in batch:
             prompt: dict[str, Any] = {"prompt_token_ids": r.prompt_token_ids}
             if r.image_columns:
@@ -350,35 +350,18 @@ class Feeder:
                 except RowError as e:
                     yield r, None, e
                     continue
-            prompts.append(prompt)
-            ready.append(r)
-        batch = ready
-        if not batch:
-            return
-        renderer = getattr(self._engine, "renderer", None)
-        if renderer is not None and hasattr(renderer, "render_cmpl"):
-            if not batch[0].image_columns:
-                prompts = renderer.render_cmpl(prompts)  # one call for the batch (vLLM's own input path)
-            else:  # one at a time: the model's processor may refuse one row's images, not the batch
-                kept, rendered = [], []
-                for req, prompt in zip(batch, prompts, strict=True):
-                    try:
-                        rendered.append(renderer.render_cmpl([prompt])[0])
-                        kept.append(req)
-                    except Exception as e:  # noqa: BLE001 - the processor's validation of this row's images
-                        yield req, None, e
-                batch, prompts = kept, rendered
-        for req, prompt in zip(batch, prompts, strict=True):
             # Ids unique to this feed, so an engine shared by several feeds never
             # hands one feed's output to another.
-            request_id = f"{self._feed_id}-{req.key}" + (f".{req.turn}" if req.turn else "")
-            req.submitted = time.time()
-            try:
-                self._engine.add_request(request_id, prompt, req.params, lora_request=req.lora)
-            except Exception as e:  # noqa: BLE001 - vLLM's per-request validation
-                yield req, None, e
-                continue
-            yield req, request_id, None
+            request_id = f"{self._feed_id}-{r.key}" + (f".{r.turn}" if r.turn else "")
+            submitted.append((r, EngineRequest(request_id, prompt, r.params, r.lora, r.key)))
+        if not submitted:
+            return
+        now = time.time()
+        for r, _ in submitted:
+            r.submitted = now
+        errors = self._engine.submit([e for _, e in submitted])
+        for (r, e), error in zip(submitted, errors, strict=True):
+            yield (r, None, error) if error is not None else (r, e.request_id, None)
 
     def run(
         self, requests: Iterable[Request], should_stop: Callable[[], bool] = lambda: False, turns: Turns | None = None
@@ -449,7 +432,7 @@ class Feeder:
                 # The engine may be dead already (that may be why we stop); the
                 # original error is the one worth raising.
                 with contextlib.suppress(Exception):
-                    self._engine.abort_request(list(in_flight))
+                    self._engine.abort(list(in_flight))
 
 
 def _completion(req: Request, out: Any, now: float) -> Completion:
@@ -576,7 +559,7 @@ class ShardFeed(ShardLoop):
         work: the shard's rows, its checkpoint, its error budget and how it saves.
         task: what the rows become (``tasks.GenerateTask``).
         tokenizer: the engine's.
-        llm: the running engine.
+        engine: the running engine (``Feeder``).
         stop: true once SIGTERM/SIGINT arrived.
         counters: where the attempt's work is counted.
         window: requests kept in flight (tests make it small).
@@ -588,7 +571,7 @@ class ShardFeed(ShardLoop):
         work: ShardWork,
         task: Task,
         tokenizer: Tokenizer,
-        llm: Any,
+        engine: Any,
         stop: Callable[[], bool],
         counters: AttemptCounters,
         window: int | None = None,
@@ -597,7 +580,7 @@ class ShardFeed(ShardLoop):
         super().__init__(work, counters)
         self.task, self.tokenizer, self.stop = task, tokenizer, stop
         self.inputs = inputs
-        self.feeder = Feeder(llm, window)
+        self.feeder = Feeder(engine, window)
         self.order = work.order
         self.turns: Turns | None = None
 

@@ -36,7 +36,8 @@ from typing import Any
 from shardgen import claims, fetch, heads, jobenv, jobinfo, memory, multinode, records, splits
 from shardgen.claims import ClaimLost
 from shardgen.config import RunConfig, warnings
-from shardgen.engine import Engine, EngineSettings
+from shardgen.engine import EngineSettings
+from shardgen.engine import for_config as engine_for
 from shardgen.feed import ErrorBudget, RowInputs, RowStream, ShardFeed, ShardWork
 from shardgen.identity import shard_fingerprint
 from shardgen.io import Dir, atomic_write_text
@@ -237,7 +238,7 @@ class JobContext:
             earlier shard (its commit, say) stops this one before it starts. By default one of its own.
     """
 
-    engine: Engine | None = None
+    engine: Any = None  # an engine.KINDS handle: engine.Engine (vLLM), fake_engine.FakeEngine
     model_record: dict[str, Any] | None = None
     window: int | None = None
     guard: Callable[[], None] | None = None
@@ -268,7 +269,7 @@ def run_shard(
     """
     context = context or JobContext()
     own = context.engine is None
-    engine = context.engine or Engine()
+    engine = context.engine or engine_for(config)
     try:
         with contextlib.nullcontext(context.stop) if context.stop is not None else StopFlag() as stop:
             if stop():
@@ -337,13 +338,13 @@ def _run(job: ShardJob, context: JobContext, counters: AttemptCounters) -> Attem
         raise OutOfMemory(f"shard {job.shard.id}: the model's weights did not fit in the last attempt, on the same "
                           f"GPUs with the same model and parallelism ({layout}); not loaded again. "
                           f"{memory.advice('weights_too_large')}", failed)  # fmt: skip
-    llm = _start_engine(job, context, run, log_start, layout)
-    _feed(job, context, run, llm, log_start, layout)
+    _start_engine(job, context, run, log_start, layout)
+    _feed(job, context, run, log_start, layout)
     return run
 
 
-def _start_engine(job: ShardJob, context: JobContext, run: AttemptRun, log_start: int, layout: dict[str, Any]) -> Any:
-    """Phase 2: the engine with the attempt's settings (``run.settings``); returns vLLM's ``LLM``.
+def _start_engine(job: ShardJob, context: JobContext, run: AttemptRun, log_start: int, layout: dict[str, Any]) -> None:
+    """Phase 2: the engine with the attempt's settings (``run.settings``).
 
     ``log_start`` and ``layout``: where this attempt's part of the job's log begins, and what the
     model is loaded on, for the record of a memory failure (``memory.raise_if_memory``)."""
@@ -352,7 +353,7 @@ def _start_engine(job: ShardJob, context: JobContext, run: AttemptRun, log_start
     t0 = time.time()
     try:
         with stop.raising(job.shard.id):
-            llm = engine.start(settings)
+            engine.start(settings)
     except Interrupted:
         raise
     except Exception as e:
@@ -364,13 +365,10 @@ def _start_engine(job: ShardJob, context: JobContext, run: AttemptRun, log_start
         memory.raise_if_memory(e, "engine start", used, log_start, layout)
         raise
     run.engine_seconds = time.time() - t0  # about 0 when the job's engine was running already
-    return llm
 
 
-def _feed(
-    job: ShardJob, context: JobContext, run: AttemptRun, llm: Any, log_start: int, layout: dict[str, Any]
-) -> None:
-    """Phase 3: the remaining rows through the engine's ``llm``, and what the feed and the engine counted."""
+def _feed(job: ShardJob, context: JobContext, run: AttemptRun, log_start: int, layout: dict[str, Any]) -> None:
+    """Phase 3: the remaining rows through the engine, and what the feed and the engine counted."""
     engine, stop, config = context.engine, context.stop, job.config
     tokenizer = engine.tokenizer(config.kind.generates, config.template_kwargs)
     job.renderer.max_chars = tokenizer.max_prompt_chars
@@ -379,7 +377,7 @@ def _feed(
     adapters = Adapters(config.lora, loras, run.settings.build) if config.lora.adapters else None
     urls = served_urls(config)
     inputs = RowInputs(adapters, config.prompt.images, urls, step=config.input.step is not None)
-    feed = ShardFeed(job.work(), task, tokenizer, llm, stop, run.counters, context.window, inputs)
+    feed = ShardFeed(job.work(), task, tokenizer, engine, stop, run.counters, context.window, inputs)
     before = engine.counters()
     t1 = time.time()
     try:

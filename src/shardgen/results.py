@@ -75,6 +75,19 @@ class Completion:
 
 
 @dataclass
+class EngineRequest:
+    """One request as the feed gives it to an engine (``Engine.submit``): its id (unique in the
+    engine), the prompt (``{"prompt_token_ids": ...}``, with ``multi_modal_data`` for images), the
+    task's parameters (``SamplingParams``/``PoolingParams``) and the LoRA adapter (a ``LoRARequest``)."""
+
+    request_id: str
+    prompt: dict[str, Any]
+    params: Any
+    lora: Any = None
+    row: int | None = None  # the row's index (an engine that acts per row: the fake's refusals)
+
+
+@dataclass
 class Sample:
     """One generated sequence of a request: with a reasoning parser, ``text`` is the answer (None when
     there is none) and the trace is apart (``reasoning.Splitter``)."""

@@ -23,7 +23,7 @@ from typing import Any
 from shardgen import generate, jobinfo
 from shardgen.claims import ClaimBoard, ClaimLost, Holder
 from shardgen.config import RunConfig
-from shardgen.engine import Engine
+from shardgen.engine import for_config as engine_for
 from shardgen.fetch import load_record
 from shardgen.io import atomic_write_text
 from shardgen.plan import Manifest
@@ -50,7 +50,7 @@ def run_shards(
     run_dir = RunDir(config.output.dir)
     context = context or generate.JobContext()
     own = context.engine is None
-    engine = context.engine or Engine()
+    engine = context.engine or engine_for(config)
     done = []
     try:
         with StopFlag() as stop:  # one for the job: a signal between two shards stops the next
@@ -94,7 +94,7 @@ def run_worker(
                        sleep=lambda seconds: stop.sleep(seconds, "(none claimed)"))  # fmt: skip
     context = context or generate.JobContext()
     own = context.engine is None
-    engine = context.engine or Engine()
+    engine = context.engine or engine_for(config)
     record: dict[str, Any] = {"worker": worker, "host": holder.host, "job_id": holder.job_id, "committed": [],
                               "kept": [], "taken_over": [], "lost": []}  # fmt: skip
     shards = generate.WorkerShards(config, manifest, asdict(holder),

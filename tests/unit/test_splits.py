@@ -64,9 +64,11 @@ TOKENIZER = SimpleNamespace(hf=None, encode_batch=lambda prompts: [[1, 2, 3] for
 
 
 class FakeEngine:
-    """What the feed uses of vLLM's engine (``feed.Feeder``: ``add_request``, ``step``, ``abort_request``):
-    each step finishes the oldest request. ``on_step`` runs first in each step, that is between two of the
+    """What the feed uses of an engine (``feed.Feeder``: ``submit``, ``step``, ``abort``): each step
+    finishes the oldest request. ``on_step`` runs first in each step, that is between two of the
     holder's looks for a split request (``ShardFeed._poll``)."""
+
+    max_num_seqs = 2
 
     def __init__(self, on_step: Callable[[FakeEngine], None] = lambda engine: None) -> None:
         self.rows: list[int] = []  # the row of each request it was given
@@ -74,9 +76,11 @@ class FakeEngine:
         self.steps = 0
         self.on_step = on_step
 
-    def add_request(self, request_id, prompt, params, lora_request=None):
-        self.queue.append((request_id, prompt["prompt_token_ids"]))
-        self.rows.append(int(request_id.rsplit("-", 1)[1]))  # the feed's ids end with the row's index
+    def submit(self, requests):
+        for r in requests:
+            self.queue.append((r.request_id, r.prompt["prompt_token_ids"]))
+            self.rows.append(int(r.request_id.rsplit("-", 1)[1]))  # the feed's ids end with the row's index
+        return [None] * len(requests)
 
     def step(self):
         self.steps += 1
@@ -87,7 +91,7 @@ class FakeEngine:
         return [SimpleNamespace(request_id=request_id, finished=True, outputs=[out], prompt_token_ids=ids,
                                 num_cached_tokens=0, metrics=None)]  # fmt: skip
 
-    def abort_request(self, request_ids):
+    def abort(self, request_ids):
         self.queue = [q for q in self.queue if q[0] not in request_ids]
 
 
@@ -122,8 +126,7 @@ def prepare(config: RunConfig, run_dir: RunDir, claim: Claim) -> generate.ShardJ
 def feed_and_commit(job: generate.ShardJob, run_dir: RunDir, engine: FakeEngine, work: ShardWork | None = None):
     """Phases 3 and 4 of ``generate.run_shard``, with ``engine`` in place of vLLM's: the feed, then the commit."""
     counters = AttemptCounters()
-    llm = SimpleNamespace(llm_engine=engine)
-    shard_feed = ShardFeed(work or job.work(), make_task(job.config, TOKENIZER, None), TOKENIZER, llm,
+    shard_feed = ShardFeed(work or job.work(), make_task(job.config, TOKENIZER, None), TOKENIZER, engine,
                            lambda: False, counters, window=4)  # fmt: skip
     try:
         shard_feed.run()
@@ -311,12 +314,11 @@ def test_a_feed_sorts_the_whole_window_unless_a_split_may_cut_its_piece_then_wha
     from shardgen.feed import ORDER_WINDOW_SECONDS, ShardFeed
     from shardgen.stats import AttemptCounters
 
-    scheduler = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=256))
-    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=scheduler))
+    engine = SimpleNamespace(max_num_seqs=256)
 
     def feed(split, rows_done: int) -> ShardFeed:
         work = SimpleNamespace(shard_id="00000", rows=10_000, resumed=0, order="prefix", split=split)
-        f = ShardFeed(work, None, None, llm, lambda: False, AttemptCounters())  # type: ignore[arg-type]
+        f = ShardFeed(work, None, None, engine, lambda: False, AttemptCounters())  # type: ignore[arg-type]
         f._read_ahead, f._started, f._rows_before = True, time.monotonic() - 100, 0  # 100 s into the piece
         f.counters.rows = rows_done
         return f

@@ -1,0 +1,251 @@
+"""The fake engine (``engine.kind: fake``): instant, deterministic answers behind the engine interface the
+feed uses (``engine.Engine``: ``start``, ``tokenizer``, ``submit``, ``step``, ``abort``, ``close``), so that
+what shardgen itself decides (planning, feeding, checkpoints, retries, exactly-once, workers, splits,
+steps) runs in milliseconds, without a model. It is a real engine of its own, not a mock of vLLM: the feed
+cannot tell it from vLLM but by its answers.
+
+The rule of its answers: sample ``i`` of a request is the text ``fake <h>``, where ``h`` is the first 16 hex
+digits of the BLAKE2b digest of the prompt's token ids, the request's seed and ``i``, tokenized by the
+model's tokenizer and cut at ``max_tokens`` (``finish_reason`` ``length``, else ``stop``). With structured
+outputs, ``choice`` answers one of the labels (picked by ``h``) and ``json`` the smallest instance of the
+schema (its required properties; strings ``h``, numbers 0, the first of an enum). Asked for log-probabilities,
+each sampled token has log-probability 0. So the same request gets the same answer in every run, whatever
+the batch, and different rows get different answers.
+
+Its failures (``engine.fake``): rows whose requests it refuses, a death after N answers, an out-of-memory
+start, slow steps: what a run must survive.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardgen import config as cfg
+from shardgen import engine as eng
+from shardgen.errors import ConfigError, ShardgenError
+from shardgen.results import EngineRequest
+
+KIND = "fake"
+# The requests answered in one step when the model section sets no max_num_seqs.
+MAX_NUM_SEQS = 256
+# CUDA's message when memory runs out (what memory.failure_kind reads), for engine.fake.out_of_memory_at_start.
+OUT_OF_MEMORY = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB"
+
+
+class FakeEngineDied(ShardgenError):
+    """The fake engine died (``engine.fake.crash_after``), as vLLM's engine core may: the attempt fails."""
+
+
+@dataclass
+class FakeSample:
+    """One sample, with the fields of vLLM's ``CompletionOutput`` the tasks read."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[dict[int, Any]] | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: Any = None
+
+
+@dataclass
+class FakeOutput:
+    """A finished request, with the fields of vLLM's ``RequestOutput`` the feed and the tasks read."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[FakeSample]
+    finished: bool = True
+    metrics: Any = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class FakeLogprob:
+    """vLLM's ``Logprob``: the log-probability of a token, its rank and its text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+@dataclass
+class FakeEngine:
+    """A job's handle on the fake engine (``engine.KINDS["fake"]``), with ``engine.Engine``'s methods.
+
+    Args:
+        failures: the config's ``engine.fake``.
+    """
+
+    failures: dict[str, Any] = field(default_factory=dict)
+    starts: int = 0  # engines this handle started
+    answered: int = 0  # requests answered since it started
+    _settings: Any = None
+    _hf: Any = None
+    _queue: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+
+    @classmethod
+    def of(cls, config: Any) -> FakeEngine:
+        return cls(dict(config.engine.fake))
+
+    @property
+    def running(self) -> bool:
+        return self._hf is not None
+
+    def start(self, settings: eng.EngineSettings) -> FakeEngine:
+        """Load the model's tokenizer (nothing else of the model). Raises CUDA's out-of-memory error with
+        ``engine.fake.out_of_memory_at_start``."""
+        if self.failures.get("out_of_memory_at_start"):
+            raise RuntimeError(OUT_OF_MEMORY)
+        if self._hf is None:
+            from transformers import AutoTokenizer  # only where a job runs the fake (seconds to import)
+
+            model = settings.model
+            self._hf = AutoTokenizer.from_pretrained(
+                model.get("tokenizer") or model["model"], trust_remote_code=bool(model.get("trust_remote_code"))
+            )
+            self._settings, self.answered = settings, 0
+            self.starts += 1
+        return self
+
+    @property
+    def max_num_seqs(self) -> int:
+        return int(self._settings.model.get("max_num_seqs") or MAX_NUM_SEQS)
+
+    def tokenizer(self, generates: bool = True, chat_template_kwargs: Any = None) -> eng.Tokenizer:
+        return eng.Tokenizer(self._hf, self._max_model_len(), generates, chat_template_kwargs)
+
+    def _max_model_len(self) -> int:
+        model = self._settings.model
+        if model.get("max_model_len"):
+            return int(model["max_model_len"])
+        hf_config = json.loads((Path(model["model"]) / "config.json").read_text())
+        return int(hf_config.get("max_position_embeddings") or 2048)
+
+    # -- Requests -------------------------------------------------------------------------------------
+
+    def submit(self, requests: list[EngineRequest]) -> list[Exception | None]:
+        refused = set(self.failures.get("reject_rows") or ())
+        errors: list[Exception | None] = []
+        for r in requests:
+            if r.row in refused:
+                errors.append(ValueError(f"the fake engine refuses row {r.row} (engine.fake.reject_rows)"))
+                continue
+            self._queue[r.request_id] = r
+            errors.append(None)
+        return errors
+
+    def step(self) -> list[FakeOutput]:
+        """Answer up to ``max_num_seqs`` requests, oldest first.
+
+        Raises:
+            FakeEngineDied: it answered ``engine.fake.crash_after`` requests already.
+        """
+        if seconds := self.failures.get("step_seconds"):
+            time.sleep(seconds)
+        out = []
+        for _ in range(min(self.max_num_seqs, len(self._queue))):
+            crash_after = self.failures.get("crash_after")
+            if crash_after is not None and self.answered >= crash_after:
+                raise FakeEngineDied(f"the fake engine died after {self.answered} requests (engine.fake.crash_after)")
+            _, request = self._queue.popitem(last=False)
+            out.append(self._answer(request))
+            self.answered += 1
+        return out
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._queue.pop(request_id, None)
+
+    def close(self, wait: float | None = None) -> None:
+        self._queue.clear()
+        self._hf = None
+
+    # -- What the job records of its engine -------------------------------------------------------------
+
+    def counters(self) -> dict[str, float]:
+        return {}
+
+    def memory_settings(self) -> dict[str, Any]:
+        return {"max_num_seqs": self.max_num_seqs}
+
+    worker_gpus: dict[str, Any] = field(default_factory=dict)
+    workers_lost: str | None = None
+
+    # -- The answers ------------------------------------------------------------------------------------
+
+    def _answer(self, request: EngineRequest) -> FakeOutput:
+        params, ids = request.params, list(request.prompt["prompt_token_ids"])
+        samples = [self._sample(ids, params, i) for i in range(getattr(params, "n", 1) or 1)]
+        return FakeOutput(request.request_id, ids, samples)
+
+    def _sample(self, ids: list[int], params: Any, index: int) -> FakeSample:
+        seed = getattr(params, "seed", None)
+        h = hashlib.blake2b(array.array("q", ids).tobytes() + f"/{seed}/{index}".encode(), digest_size=8).hexdigest()
+        structured = getattr(params, "structured_outputs", None)
+        if structured is not None and getattr(structured, "choice", None):
+            text = structured.choice[int(h, 16) % len(structured.choice)]
+        elif structured is not None and getattr(structured, "json", None) is not None:
+            schema = structured.json if isinstance(structured.json, dict) else json.loads(structured.json)
+            text = json.dumps(instance(schema, h))
+        else:
+            text = f"fake {h}"
+        tokens = self._hf.encode(text, add_special_tokens=False)
+        max_tokens = getattr(params, "max_tokens", None)
+        finish = "stop"
+        if max_tokens is not None and len(tokens) > max_tokens:
+            tokens, finish = tokens[:max_tokens], "length"
+            text = self._hf.decode(tokens)
+        logprobs = None
+        if getattr(params, "logprobs", None) is not None:
+            logprobs = [{t: FakeLogprob(0.0, 1, self._hf.decode([t]))} for t in tokens]
+        return FakeSample(index, text, tokens, finish, logprobs)
+
+
+def instance(schema: Any, h: str) -> Any:
+    """The smallest instance of a JSON schema: its required properties, each the smallest of its type."""
+    if not isinstance(schema, dict):
+        return None
+    if "enum" in schema:
+        return schema["enum"][0]
+    if "const" in schema:
+        return schema["const"]
+    for key in ("anyOf", "oneOf"):
+        if schema.get(key):
+            return instance(schema[key][0], h)
+    kind = schema.get("type")
+    kind = kind[0] if isinstance(kind, list) else kind
+    if kind == "object" or "properties" in schema:
+        props = schema.get("properties") or {}
+        return {k: instance(props.get(k, {}), h) for k in schema.get("required", [])}
+    if kind == "array":
+        return [instance(schema.get("items") or {}, h) for _ in range(schema.get("minItems", 0))]
+    return {"string": h, "integer": 0, "number": 0, "boolean": False, "null": None}.get(kind, h)
+
+
+def check_config(config: dict[str, Any]) -> None:
+    """``engine.fake`` goes with ``engine.kind: fake``, which answers text generation only.
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    engine = config.get("engine") or {}
+    if engine.get("kind", "vllm") != KIND:
+        if any(v not in (None, False, 0, []) for v in (engine.get("fake") or {}).values()):
+            raise ConfigError(f"engine.fake is set, but engine.kind is {engine.get('kind', 'vllm')}: set kind: fake")
+        return
+    task = cfg.task_kind(config)
+    if task.uses_engine and task.name != "generate":
+        raise ConfigError(f"engine.kind: fake answers task generate only, not {task.name}")
+
+
+eng.KINDS[KIND] = FakeEngine
+cfg.register_check(check_config)

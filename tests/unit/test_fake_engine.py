@@ -1,0 +1,99 @@
+"""The fake engine (``engine.kind: fake``): a shard job through the same feed, checkpoints and commit as on
+vLLM, in a fraction of a second: its answers follow its documented rule, its failures are survived."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from shardgen import fake_engine
+from shardgen.errors import ConfigError
+from shardgen.generate import JobContext, run_shard
+from shardgen.plan import write_manifest
+from tests.conftest import base_config, make_rows, write_parquet
+from tests.integration.workflow import part_rows
+
+FAKE = {"kind": "fake"}
+
+
+def plan(tmp_path, rows=20, engine=None, **overrides):
+    data = write_parquet(tmp_path / "in.parquet", make_rows(rows))
+    config = base_config({"parquet": [str(data)]}, output={"dir": str(tmp_path / "out")},
+                         engine=FAKE if engine is None else engine, **overrides)  # fmt: skip
+    manifest = tmp_path / "manifest.json"
+    write_manifest(config, manifest)
+    return config, manifest
+
+
+def run(tmp_path, config, manifest, shard="00000", name="s", engine=None):
+    out, stats = tmp_path / f"{name}.parquet", tmp_path / f"{name}.json"
+    run_shard(config, manifest, shard, out, stats, JobContext(engine))
+    return pq.read_table(out).to_pylist(), json.loads(stats.read_text())
+
+
+def test_a_shard_on_the_fake_engine_gets_every_row_once_with_the_answer_its_rule_gives(tmp_path):
+    config, manifest = plan(tmp_path, shards={"rows_per_shard": 20}, sampling={"max_tokens": 64})
+    rows, stats = run(tmp_path, config, manifest)
+    assert [r["row_index"] for r in rows] == list(range(20)) and stats["rows_generated"] == 20
+    assert all(r["generation"].startswith("fake ") and r["finish_reason"] == "stop" for r in rows)
+    answers = {(r["topic"], r["generation"]) for r in rows}  # 8 topics: 8 prompts
+    assert len(answers) == len({r["generation"] for r in rows}) == 8, "each prompt its own answer, and only one"
+    again, _ = run(tmp_path, config, manifest, name="again")
+    assert [r["generation"] for r in again] == [r["generation"] for r in rows], "the same answers in every run"
+    cut, _ = run(tmp_path, *plan(tmp_path / "cut", sampling={"max_tokens": 2}), name="cut")
+    assert {r["finish_reason"] for r in cut} == {"length"} and {r["generated_tokens"] for r in cut} == {2}
+
+
+def test_the_fake_engine_answers_samples_labels_and_json_as_the_sampling_asks(tmp_path):
+    config, manifest = plan(tmp_path, rows=8, sampling={"n": 3, "seed": 7, "max_tokens": 32})
+    rows, _ = run(tmp_path, config, manifest)
+    assert len(rows) == 24 and {r["sample_index"] for r in rows} == {0, 1, 2}
+    assert len({r["generation"] for r in rows if r["row_index"] == 0}) == 3, "each sample its own answer"
+    labels = {"choice": ["yes", "no"]}
+    config, manifest = plan(tmp_path / "c", sampling={"max_tokens": 4, "structured_outputs": labels})
+    rows, _ = run(tmp_path / "c", config, manifest)
+    assert {r["label"] for r in rows} <= {"yes", "no"} and all(r["error"] is None for r in rows)
+    schema = {"type": "object", "required": ["topic", "score"],
+              "properties": {"topic": {"type": "string"}, "score": {"type": "integer"}}}  # fmt: skip
+    config, manifest = plan(tmp_path / "j", sampling={"max_tokens": 64, "structured_outputs": {"json": schema}})
+    rows, _ = run(tmp_path / "j", config, manifest)
+    assert all(r["error"] is None and r["parsed"]["score"] == 0 for r in rows)
+
+
+def test_rows_the_fake_engine_refuses_are_their_rows_errors_and_the_others_go_on(tmp_path):
+    engine = {"kind": "fake", "fake": {"reject_rows": [2, 5]}}
+    config, manifest = plan(tmp_path, rows=8, engine=engine, errors={"max_rate": 0.5})
+    rows, stats = run(tmp_path, config, manifest)
+    errors = {r["row_index"]: r["error"] for r in rows if r["error"]}
+    assert sorted(errors) == [2, 5] and all(e.startswith("rejected_by_engine: ") for e in errors.values())
+    assert stats["errors"] == 2
+
+
+def test_a_dead_engine_fails_the_attempt_and_the_next_one_answers_only_the_rows_not_saved(tmp_path):
+    engine = {"kind": "fake", "fake": {"crash_after": 5, "step_seconds": 0.001}}
+    config, manifest = plan(tmp_path, engine=engine, shards={"rows_per_shard": 20}, checkpoint={"rows": 1},
+                            model={"max_num_seqs": 1})  # fmt: skip
+    with pytest.raises(fake_engine.FakeEngineDied, match="after 5 requests"):
+        run(tmp_path, config, manifest)
+    assert part_rows(tmp_path / "out" / "checkpoints" / "00000") == 5
+    handle = fake_engine.FakeEngine()  # the next attempt's engine, which does not die
+    rows, stats = run(tmp_path, config, manifest, engine=handle)
+    assert [r["row_index"] for r in rows] == list(range(20)), "every row once"
+    assert handle.answered == 15 and stats["rows_generated"] == 15, "the saved rows are not asked again"
+    assert len(stats["attempts"]) == 2
+
+
+def test_the_fake_engine_is_for_generation_its_failures_go_with_it_and_its_rows_are_not_vllms(tmp_path):
+    with pytest.raises(ConfigError, match="engine.kind: fake answers task generate only, not embed"):
+        plan(tmp_path, engine=FAKE, task="embed", sampling={})
+    with pytest.raises(ConfigError, match="engine.fake is set, but engine.kind is vllm"):
+        plan(tmp_path, engine={"fake": {"crash_after": 3}})
+    data = str(write_parquet(tmp_path / "in.parquet", make_rows(4)))
+
+    def fingerprint(**engine):
+        return base_config({"parquet": [data]}, **engine).fingerprint
+
+    assert fingerprint(engine=FAKE) != fingerprint(), "a fake run's shards are never a vLLM run's"
+    assert fingerprint(engine={"kind": "vllm"}) == fingerprint(), "vLLM runs keep their fingerprints"
