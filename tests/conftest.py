@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -255,3 +256,19 @@ def s3_bucket(endpoint: str, name: str) -> Any:
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     client.create_bucket(Bucket=name)
     return client
+
+
+@pytest.fixture
+def bounded():
+    """A test still running after a minute fails instead of hanging (pytest-timeout is not installed): for
+    tests of user code that may hang or end its process."""
+    seconds = 60
+
+    def expired(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"the test ran past {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)

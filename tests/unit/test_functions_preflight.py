@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -28,7 +27,7 @@ from shardgen.rundir import RunDir
 from tests.unit.test_functions import calls, function_config
 
 # The longest any test here may take; what it checks ends in a few seconds.
-BOUND_SECONDS = 60
+pytestmark = pytest.mark.usefixtures("bounded")  # a hang fails its test within a minute
 
 COUNTED = """\
 import os, time
@@ -45,20 +44,6 @@ BODY
 def counted(body: str) -> str:
     """A function that writes each call's row to CALLS_FILE, then runs ``body`` (indented)."""
     return COUNTED.replace("BODY\n", textwrap.indent(textwrap.dedent(body), "    "))
-
-
-@pytest.fixture(autouse=True)
-def bounded():
-    """A test still running after BOUND_SECONDS fails instead of hanging (pytest-timeout is not installed)."""
-
-    def expired(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"the test ran past {BOUND_SECONDS} s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(BOUND_SECONDS)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def planned(tmp_path: Path, source: str, rows: int = 12, **function: Any) -> RunConfig:

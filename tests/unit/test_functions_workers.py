@@ -7,7 +7,6 @@ Bounded by ``SIGALRM`` (``bounded``): before the fixes, some of these hung."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 from typing import Any
 
@@ -19,21 +18,7 @@ from shardgen.errors import ShardgenError
 from shardgen.rundir import RunDir
 from tests.unit.test_functions import function_config, run
 
-BOUND_SECONDS = 60
-
-
-@pytest.fixture(autouse=True)
-def bounded():
-    """A test still running after BOUND_SECONDS fails instead of hanging (pytest-timeout is not installed)."""
-
-    def expired(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"the test ran past {BOUND_SECONDS} s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(BOUND_SECONDS)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+pytestmark = pytest.mark.usefixtures("bounded")  # a hang fails its test within a minute
 
 
 BREAKS = {
