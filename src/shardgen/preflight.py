@@ -450,7 +450,7 @@ def _run_without_engine(
         check_columns(config, source.schema, source.describe())
     except InputError as e:
         problems.append(str(e))
-    n = min(config.preflight.sample_rows, getattr(config.kind, "preflight_rows", None) or config.preflight.sample_rows)
+    n = min(config.preflight.sample_rows, config.kind.preflight_rows or config.preflight.sample_rows)
     sample = [] if config.input.step is not None else sample_rows(source, manifest, n)
     more_problems, more_notes, *fields = config.kind.check_rows(config, sample, source.schema)
     problems += more_problems

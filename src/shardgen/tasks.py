@@ -72,6 +72,8 @@ class Task:
     pooling_keys: ClassVar[tuple[str, ...]] = ()
     # whether its rows go through a vLLM engine (a model); one without runs them itself (``run_rows``)
     uses_engine: ClassVar[bool] = True
+    # the most rows the preflight samples for ``check_rows`` (None: ``preflight.sample_rows``)
+    preflight_rows: ClassVar[int | None] = None
     spec: Columns
 
     @classmethod
