@@ -6,14 +6,15 @@ cannot tell it from vLLM but by its answers.
 
 The rule of its answers: sample ``i`` of a request is the text ``fake <h>``, where ``h`` is the first 16 hex
 digits of the BLAKE2b digest of the prompt's token ids, the request's seed and ``i``, tokenized by the
-model's tokenizer and cut at ``max_tokens`` (``finish_reason`` ``length``, else ``stop``). With structured
+model's tokenizer and cut at ``max_tokens`` (``finish_reason`` ``length``, else ``stop``); with
+``ignore_eos``, repeated to exactly ``max_tokens``. With structured
 outputs, ``choice`` answers one of the labels (picked by ``h``) and ``json`` the smallest instance of the
 schema (its required properties; strings ``h``, numbers 0, the first of an enum). Asked for log-probabilities,
 each sampled token has log-probability 0. So the same request gets the same answer in every run, whatever
 the batch, and different rows get different answers.
 
 Its failures (``engine.fake``): rows whose requests it refuses, a death after N answers, an out-of-memory
-start, slow steps: what a run must survive.
+start, time per generated token (a slow engine): what a run must survive.
 """
 
 from __future__ import annotations
@@ -149,8 +150,6 @@ class FakeEngine:
         Raises:
             FakeEngineDied: it answered ``engine.fake.crash_after`` requests already.
         """
-        if seconds := self.failures.get("step_seconds"):
-            time.sleep(seconds)
         out = []
         for _ in range(min(self.max_num_seqs, len(self._queue))):
             crash_after = self.failures.get("crash_after")
@@ -159,6 +158,8 @@ class FakeEngine:
             _, request = self._queue.popitem(last=False)
             out.append(self._answer(request))
             self.answered += 1
+        if rate := self.failures.get("tokens_per_second"):  # as long as an engine of that speed takes
+            time.sleep(sum(len(s.token_ids) for o in out for s in o.outputs) / rate)
         return out
 
     def abort(self, request_ids: list[str]) -> None:
@@ -199,11 +200,14 @@ class FakeEngine:
         else:
             text = f"fake {h}"
         tokens = self._hf.encode(text, add_special_tokens=False)
-        max_tokens = getattr(params, "max_tokens", None)
+        max_tokens, ignore_eos = getattr(params, "max_tokens", None), bool(getattr(params, "ignore_eos", False))
         finish = "stop"
-        if max_tokens is not None and len(tokens) > max_tokens:
-            tokens, finish = tokens[:max_tokens], "length"
-            text = self._hf.decode(tokens)
+        if max_tokens is not None:
+            if ignore_eos:  # the answer again and again, to exactly max_tokens
+                tokens = tokens * (max_tokens // max(len(tokens), 1) + 1)
+            if len(tokens) > max_tokens:
+                tokens, finish = tokens[:max_tokens], "length"
+        text = self._hf.decode(tokens)
         logprobs = None
         if getattr(params, "logprobs", None) is not None:
             logprobs = [{t: FakeLogprob(0.0, 1, self._hf.decode([t]))} for t in tokens]

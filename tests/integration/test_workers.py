@@ -1,6 +1,7 @@
-"""Elastic workers (shards.workers) on the real Slurm with the real engine: two workers share the
-plan; one is killed with kill -9 mid-shard, the other takes its claim over after the lease and
-resumes its rows; a rerun, as the README says, merges every row exactly once."""
+"""Elastic workers (shards.workers) on the real Slurm: two workers share the plan; one is killed with
+kill -9 mid-shard (the real engine), the other takes its claim over after the lease and resumes its
+rows; a rerun, as the README says, merges every row exactly once. An idle worker splits the slowest
+shard (the fake engine: what is tested is shardgen's)."""
 
 from __future__ import annotations
 
@@ -119,12 +120,13 @@ def test_an_idle_worker_splits_the_slowest_shard_and_every_row_is_run_once(tmp_p
     """Shard 0 asks 20 times the output tokens of the others, which the plan cannot see (per row,
     through input.sampling_column): the worker that ran the light shards asks its holder for the rows
     it has not read, runs them as a piece of their own, and the merge holds every row once, in order,
-    each run to its own max_tokens."""
+    each run to its own max_tokens. Splits are shardgen's decisions, not the engine's: the fake engine
+    (engine.kind: fake) generates at 20 tokens/s, which makes shard 0 about 32 s of generation."""
     rows = make_rows(48)
     # About 30 s of generation for shard 0 (a split needs more than split_seconds left, 3 s). The other
-    # worker's engine may start much later than its holder's (36 s later in one CI run, 82 s in another,
-    # where shard 0 ended before anyone could ask): the holder is suspended once it has a rate, until the
-    # other worker has committed shards 1 and 2
+    # worker's engine may start much later than its holder's (vLLM's: 36 s later in one CI run, 82 s in
+    # another, where shard 0 ended before anyone could ask): the holder is suspended once it has a rate,
+    # until the other worker has committed shards 1 and 2
     for i, row in enumerate(rows):
         row["sampling"] = json.dumps({"max_tokens": 40 if i < 16 else 2})
     write_parquet(tmp_path / "data" / "in.parquet", rows)
@@ -136,6 +138,7 @@ def test_an_idle_worker_splits_the_slowest_shard_and_every_row_is_run_once(tmp_p
         checkpoint={"rows": 2, "seconds": 300},
         sampling={"temperature": 0.0, "max_tokens": 4, "ignore_eos": True},
         resources={"mem_mb": 6000, "cpus_per_task": 1, "runtime": 20},
+        engine={"kind": "fake", "fake": {"tokens_per_second": 20}},
     )
     config["model"]["max_num_seqs"] = 1  # a shard's time is its rows' tokens, one row at a time
     out = tmp_path / "results"

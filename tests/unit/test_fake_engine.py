@@ -44,6 +44,8 @@ def test_a_shard_on_the_fake_engine_gets_every_row_once_with_the_answer_its_rule
     assert [r["generation"] for r in again] == [r["generation"] for r in rows], "the same answers in every run"
     cut, _ = run(tmp_path, *plan(tmp_path / "cut", sampling={"max_tokens": 2}), name="cut")
     assert {r["finish_reason"] for r in cut} == {"length"} and {r["generated_tokens"] for r in cut} == {2}
+    long, _ = run(tmp_path, *plan(tmp_path / "long", sampling={"max_tokens": 40, "ignore_eos": True}), name="long")
+    assert {r["finish_reason"] for r in long} == {"length"} and {r["generated_tokens"] for r in long} == {40}
 
 
 def test_the_fake_engine_answers_samples_labels_and_json_as_the_sampling_asks(tmp_path):
@@ -72,7 +74,7 @@ def test_rows_the_fake_engine_refuses_are_their_rows_errors_and_the_others_go_on
 
 
 def test_a_dead_engine_fails_the_attempt_and_the_next_one_answers_only_the_rows_not_saved(tmp_path):
-    engine = {"kind": "fake", "fake": {"crash_after": 5, "step_seconds": 0.001}}
+    engine = {"kind": "fake", "fake": {"crash_after": 5, "tokens_per_second": 10000}}
     config, manifest = plan(tmp_path, engine=engine, shards={"rows_per_shard": 20}, checkpoint={"rows": 1},
                             model={"max_num_seqs": 1})  # fmt: skip
     with pytest.raises(fake_engine.FakeEngineDied, match="after 5 requests"):
