@@ -506,10 +506,10 @@ def content_config(config: dict[str, Any], engine: str | None = None) -> dict[st
         "engine_version": engine or engine_version(),
     }
     out.update(task_kind(config).content(config))
-    engine = config.get("engine") or {}
-    if engine.get("kind", "vllm") != "vllm":  # another engine's text is not vLLM's (vLLM runs keep theirs)
+    kind_of_engine = (config.get("engine") or {}).get("kind", "vllm")
+    if kind_of_engine != "vllm":  # another engine's text is not vLLM's (vLLM runs keep theirs)
         # the fake's refused rows are errors; its crashes and speed change no row
-        out["engine"] = {"kind": engine["kind"], "reject_rows": (engine.get("fake") or {}).get("reject_rows")}
+        out["engine"] = {"kind": kind_of_engine, "reject_rows": config["engine"].get("fake", {}).get("reject_rows")}
     if (config.get("lora") or {}).get("adapters"):  # runs without adapters keep their fingerprints
         out["lora"] = config["lora"]
     return out

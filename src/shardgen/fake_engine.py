@@ -23,6 +23,7 @@ import array
 import collections
 import hashlib
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,8 @@ from shardgen.results import EngineRequest
 KIND = "fake"
 # The requests answered in one step when the model section sets no max_num_seqs.
 MAX_NUM_SEQS = 256
+# With engine.fake.tokens_per_second, a step answers no more requests than take this long (at least one).
+STEP_SECONDS = 0.2
 # CUDA's message when memory runs out (what memory.failure_kind reads), for engine.fake.out_of_memory_at_start.
 OUT_OF_MEMORY = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB"
 
@@ -89,9 +92,9 @@ class FakeEngine:
     failures: dict[str, Any] = field(default_factory=dict)
     starts: int = 0  # engines this handle started
     answered: int = 0  # requests answered since it started
-    _settings: Any = None
-    _hf: Any = None
-    _queue: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    _settings: Any = field(default=None, repr=False)
+    _hf: Any = field(default=None, repr=False)
+    _queue: collections.OrderedDict = field(default_factory=collections.OrderedDict, repr=False)
 
     @classmethod
     def of(cls, config: Any) -> FakeEngine:
@@ -106,6 +109,8 @@ class FakeEngine:
         ``engine.fake.out_of_memory_at_start``."""
         if self.failures.get("out_of_memory_at_start"):
             raise RuntimeError(OUT_OF_MEMORY)
+        if self._hf is not None and settings.kwargs != self._settings.kwargs:
+            self.close()  # other settings (an attempt after running out of memory): started again, as vLLM's
         if self._hf is None:
             from transformers import AutoTokenizer  # only where a job runs the fake (seconds to import)
 
@@ -148,18 +153,25 @@ class FakeEngine:
         """Answer up to ``max_num_seqs`` requests, oldest first.
 
         Raises:
-            FakeEngineDied: it answered ``engine.fake.crash_after`` requests already.
+            FakeEngineDied: it answered ``engine.fake.crash_after`` requests already (a step stops at that
+                many, and the next one dies).
         """
-        out = []
-        for _ in range(min(self.max_num_seqs, len(self._queue))):
-            crash_after = self.failures.get("crash_after")
+        crash_after, rate = self.failures.get("crash_after"), self.failures.get("tokens_per_second")
+        if crash_after is not None and self.answered >= crash_after:
+            raise FakeEngineDied(f"the fake engine died after {self.answered} requests (engine.fake.crash_after)")
+        out: list[FakeOutput] = []
+        tokens = 0
+        while self._queue and len(out) < self.max_num_seqs:
             if crash_after is not None and self.answered >= crash_after:
-                raise FakeEngineDied(f"the fake engine died after {self.answered} requests (engine.fake.crash_after)")
+                break  # the next step dies
+            if rate and out and tokens / rate >= STEP_SECONDS:
+                break  # a step stays short, so the feed looks at its stop flag and splits between them
             _, request = self._queue.popitem(last=False)
             out.append(self._answer(request))
+            tokens += sum(len(s.token_ids) for s in out[-1].outputs)
             self.answered += 1
-        if rate := self.failures.get("tokens_per_second"):  # as long as an engine of that speed takes
-            time.sleep(sum(len(s.token_ids) for o in out for s in o.outputs) / rate)
+        if rate:  # as long as an engine of that speed takes for them
+            time.sleep(tokens / rate)
         return out
 
     def abort(self, request_ids: list[str]) -> None:
@@ -214,25 +226,50 @@ class FakeEngine:
         return FakeSample(index, text, tokens, finish, logprobs)
 
 
-def instance(schema: Any, h: str) -> Any:
-    """The smallest instance of a JSON schema: its required properties, each the smallest of its type."""
+def instance(schema: Any, h: str, root: Any = None) -> Any:
+    """The smallest instance of a JSON schema: its required properties, each the smallest of its type
+    (a number at its minimum, a string ``h`` fitted to its length bounds); local ``$ref``s and ``allOf``
+    are followed. (A ``pattern`` or ``format`` is not: such a schema's rows may be ``invalid_json``.)"""
+    root = schema if root is None else root
     if not isinstance(schema, dict):
         return None
+    if isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#/"):
+        target: Any = root
+        for part in schema["$ref"][2:].split("/"):
+            target = target.get(part, {}) if isinstance(target, dict) else {}
+        return instance({**target, **{k: v for k, v in schema.items() if k != "$ref"}}, h, root)
+    if schema.get("allOf"):
+        merged = {k: v for k, v in schema.items() if k != "allOf"}
+        for part in schema["allOf"]:
+            merged = {**merged, **part, "required": [*merged.get("required", []), *part.get("required", [])]}
+        return instance(merged, h, root)
     if "enum" in schema:
         return schema["enum"][0]
     if "const" in schema:
         return schema["const"]
     for key in ("anyOf", "oneOf"):
         if schema.get(key):
-            return instance(schema[key][0], h)
+            return instance(schema[key][0], h, root)
     kind = schema.get("type")
     kind = kind[0] if isinstance(kind, list) else kind
     if kind == "object" or "properties" in schema:
         props = schema.get("properties") or {}
-        return {k: instance(props.get(k, {}), h) for k in schema.get("required", [])}
+        return {k: instance(props.get(k, {}), h, root) for k in dict.fromkeys(schema.get("required", []))}
     if kind == "array":
-        return [instance(schema.get("items") or {}, h) for _ in range(schema.get("minItems", 0))]
-    return {"string": h, "integer": 0, "number": 0, "boolean": False, "null": None}.get(kind, h)
+        return [instance(schema.get("items") or {}, h, root) for _ in range(schema.get("minItems", 0))]
+    if kind in ("integer", "number"):
+        value = schema.get("minimum", 0)
+        if "exclusiveMinimum" in schema:
+            value = max(value, schema["exclusiveMinimum"] + 1)
+        if "maximum" in schema:
+            value = min(value, schema["maximum"])
+        return math.ceil(value) if kind == "integer" else value
+    if kind == "boolean":
+        return False
+    if kind == "null":
+        return None
+    text = (h * (schema.get("minLength", 0) // len(h) + 1))[: max(schema.get("minLength", 0), len(h))]
+    return text[: schema["maxLength"]] if "maxLength" in schema else text
 
 
 def check_config(config: dict[str, Any]) -> None:

@@ -383,9 +383,12 @@ class Feeder:
         exhausted = False
 
         def add(batch: list[Request]) -> Iterator[Completion]:
-            for req, request_id, e in self._add(batch):
+            # every request the engine took is in flight before a refused one's row is handed out: the
+            # consumer may raise there (the error budget, a lost claim), and then those are aborted
+            added = list(self._add(batch))
+            in_flight.update((request_id, req) for req, request_id, _ in added if request_id is not None)
+            for req, request_id, e in added:
                 if request_id is not None:
-                    in_flight[request_id] = req
                     continue
                 error = e if isinstance(e, RowError) else RowError("rejected_by_engine", f"{type(e).__name__}: {e}")
                 c = Completion(req.key, req.row, None, len(req.prompt_token_ids), 0, None, None, error)

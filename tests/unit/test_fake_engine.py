@@ -62,6 +62,9 @@ def test_the_fake_engine_answers_samples_labels_and_json_as_the_sampling_asks(tm
     config, manifest = plan(tmp_path / "j", sampling={"max_tokens": 64, "structured_outputs": {"json": schema}})
     rows, _ = run(tmp_path / "j", config, manifest)
     assert all(r["error"] is None and r["parsed"]["score"] == 0 for r in rows)
+    nested = {"$defs": {"Score": {"type": "integer", "minimum": 3}}, "type": "object", "required": ["s", "t"],
+              "properties": {"s": {"$ref": "#/$defs/Score"}, "t": {"type": "string", "maxLength": 4}}}  # fmt: skip
+    assert fake_engine.instance(nested, "0123456789abcdef") == {"s": 3, "t": "0123"}
 
 
 def test_rows_the_fake_engine_refuses_are_their_rows_errors_and_the_others_go_on(tmp_path):
@@ -75,8 +78,7 @@ def test_rows_the_fake_engine_refuses_are_their_rows_errors_and_the_others_go_on
 
 def test_a_dead_engine_fails_the_attempt_and_the_next_one_answers_only_the_rows_not_saved(tmp_path):
     engine = {"kind": "fake", "fake": {"crash_after": 5, "tokens_per_second": 10000}}
-    config, manifest = plan(tmp_path, engine=engine, shards={"rows_per_shard": 20}, checkpoint={"rows": 1},
-                            model={"max_num_seqs": 1})  # fmt: skip
+    config, manifest = plan(tmp_path, engine=engine, shards={"rows_per_shard": 20}, checkpoint={"rows": 1})
     with pytest.raises(fake_engine.FakeEngineDied, match="after 5 requests"):
         run(tmp_path, config, manifest)
     assert part_rows(tmp_path / "out" / "checkpoints" / "00000") == 5
@@ -99,3 +101,19 @@ def test_the_fake_engine_is_for_generation_its_failures_go_with_it_and_its_rows_
 
     assert fingerprint(engine=FAKE) != fingerprint(), "a fake run's shards are never a vLLM run's"
     assert fingerprint(engine={"kind": "vllm"}) == fingerprint(), "vLLM runs keep their fingerprints"
+
+
+def test_a_feed_stopped_at_a_refused_row_leaves_no_request_it_added_in_the_engine():
+    """The engine took the batch's other requests before the refused row's error is handed out: when the
+    consumer stops there (its error budget, a lost claim), those are aborted, not left running."""
+    from types import SimpleNamespace
+
+    from shardgen.feed import Feeder, Request
+
+    handle = fake_engine.FakeEngine({"reject_rows": [0]}, _settings=SimpleNamespace(model={}))
+    params = SimpleNamespace(n=1, max_tokens=4)
+    feed = Feeder(handle, window=8).run(Request(i, [1, 2, i], params) for i in range(4))
+    first = next(feed)
+    assert first.key == 0 and first.error is not None and first.error.reason == "rejected_by_engine"
+    feed.close()  # the consumer raised
+    assert not handle._queue, "the three requests the engine took were aborted"
