@@ -90,6 +90,9 @@ TASK_SECTIONS: dict[str, dict[str, Any]] = {}
 # Paths in a config relative to the config file (a feature's, e.g. ``function.path``): each resolver makes
 # those it knows absolute, given the config file's directory (``resolve_paths``).
 PATH_RESOLVERS: list[Callable[[dict[str, Any], Path], None]] = []
+# Engines other than vLLM (``engine.kind``), by kind: what of the ``engine`` section decides the rows it
+# gives (its part of the fingerprint; vLLM's is the engine version and the model section).
+ENGINE_CONTENT: dict[str, Callable[[Mapping[str, Any]], Any]] = {}
 
 
 def register_run_mode(key: str, check: Check, warnings: Callable[[dict[str, Any]], list[str]]) -> None:
@@ -110,6 +113,10 @@ def register_task_section(key: str, kinds: Mapping[str, Any]) -> None:
 
 def register_path_resolver(resolve: Callable[[dict[str, Any], Path], None]) -> None:
     PATH_RESOLVERS.append(resolve)
+
+
+def register_engine(kind: str, content: Callable[[Mapping[str, Any]], Any]) -> None:
+    ENGINE_CONTENT[kind] = content
 
 
 def resolve_paths(config: dict[str, Any], base: str | Path) -> dict[str, Any]:
@@ -506,10 +513,9 @@ def content_config(config: dict[str, Any], engine: str | None = None) -> dict[st
         "engine_version": engine or engine_version(),
     }
     out.update(task_kind(config).content(config))
-    kind_of_engine = (config.get("engine") or {}).get("kind", "vllm")
-    if kind_of_engine != "vllm":  # another engine's text is not vLLM's (vLLM runs keep theirs)
-        # the fake's refused rows are errors; its crashes and speed change no row
-        out["engine"] = {"kind": kind_of_engine, "reject_rows": config["engine"].get("fake", {}).get("reject_rows")}
+    engine_section = config.get("engine") or {}
+    if (kind := engine_section.get("kind", "vllm")) in ENGINE_CONTENT:  # another engine's text is not vLLM's
+        out["engine"] = {"kind": kind, **ENGINE_CONTENT[kind](engine_section)}  # (vLLM runs keep theirs)
     if (config.get("lora") or {}).get("adapters"):  # runs without adapters keep their fingerprints
         out["lora"] = config["lora"]
     return out

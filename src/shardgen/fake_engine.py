@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -288,5 +289,11 @@ def check_config(config: dict[str, Any]) -> None:
         raise ConfigError(f"engine.kind: fake answers task generate only, not {task.name}")
 
 
+def content(engine: Mapping[str, Any]) -> dict[str, Any]:
+    """The fake's part of the fingerprint: the rows it refuses are errors; its crashes and speed change no row."""
+    return {"reject_rows": (engine.get("fake") or {}).get("reject_rows")}
+
+
 eng.KINDS[KIND] = FakeEngine
 cfg.register_check(check_config)
+cfg.register_engine(KIND, content)
