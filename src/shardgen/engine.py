@@ -205,7 +205,7 @@ class EngineSettings:
             build=build,
             precision=precision,
             memory_overrides=overrides,
-            memory_defaults=memory.vllm_defaults(devices, model.gpus),
+            memory_defaults=KINDS[config.engine.kind].memory_defaults(devices, model.gpus),
             environment=environment,
             notes=notes,
             nodes=config.resources.nodes,
@@ -274,6 +274,11 @@ class Engine:
     def of(cls, config: RunConfig) -> Engine:
         """A handle for a job of ``config`` (``engine.kind: vllm``), to start with ``start``."""
         return cls()
+
+    @staticmethod
+    def memory_defaults(gpus: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
+        """The memory settings the engine takes where the config leaves them unset, on these GPUs."""
+        return memory.vllm_defaults(gpus, world_size)
 
     @property
     def running(self) -> bool:

@@ -10,8 +10,11 @@ model's tokenizer and cut at ``max_tokens`` (``finish_reason`` ``length``, else 
 ``ignore_eos``, repeated to exactly ``max_tokens``. With structured
 outputs, ``choice`` answers one of the labels (picked by ``h``) and ``json`` the smallest instance of the
 schema (its required properties; strings ``h``, numbers 0, the first of an enum). Asked for log-probabilities,
-each sampled token has log-probability 0. So the same request gets the same answer in every run, whatever
-the batch, and different rows get different answers.
+each sampled token has log-probability 0. A pooling request (``classify``, ``reward``, ``embed``, ``score``)
+gets values drawn from a generator seeded by the digest of its prompt: one logit per class of the model's
+``id2label`` (a softmax with the task's activation), one per prompt token for a per-token reward model, and
+an embedding of the model's size (or ``pooling.dimensions``), normalised with the activation. So the same
+request gets the same answer in every run, whatever the batch, and different rows get different answers.
 
 Its failures (``engine.fake``): rows whose requests it refuses, a death after N answers, an out-of-memory
 start, time per generated token (a slow engine): what a run must survive.
@@ -24,6 +27,7 @@ import collections
 import hashlib
 import json
 import math
+import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -72,6 +76,40 @@ class FakeOutput:
     metrics: Any = None
     num_cached_tokens: int = 0
 
+    @property
+    def tokens(self) -> int:
+        """The tokens it took the engine to answer (engine.fake.tokens_per_second)."""
+        return sum(len(s.token_ids) for s in self.outputs)
+
+
+@dataclass
+class FakePooled:
+    """vLLM's ``PoolingOutput``: the pooled values, with ``data.tolist()`` as a tensor has it."""
+
+    values: list[Any]
+
+    @property
+    def data(self) -> FakePooled:
+        return self
+
+    def tolist(self) -> list[Any]:
+        return self.values
+
+
+@dataclass
+class FakePoolingOutput:
+    """A finished pooling request, with the fields of vLLM's ``PoolingRequestOutput`` the feed reads."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: FakePooled
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
 
 @dataclass
 class FakeLogprob:
@@ -95,11 +133,16 @@ class FakeEngine:
     answered: int = 0  # requests answered since it started
     _settings: Any = field(default=None, repr=False)
     _hf: Any = field(default=None, repr=False)
+    _model_config: dict[str, Any] = field(default_factory=dict, repr=False)  # the model's config.json
     _queue: collections.OrderedDict = field(default_factory=collections.OrderedDict, repr=False)
 
     @classmethod
     def of(cls, config: Any) -> FakeEngine:
         return cls(dict(config.engine.fake))
+
+    @staticmethod
+    def memory_defaults(gpus: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
+        return {"max_num_seqs": MAX_NUM_SEQS}
 
     @property
     def running(self) -> bool:
@@ -119,6 +162,7 @@ class FakeEngine:
             self._hf = AutoTokenizer.from_pretrained(
                 model.get("tokenizer") or model["model"], trust_remote_code=bool(model.get("trust_remote_code"))
             )
+            self._model_config = json.loads((Path(model["model"]) / "config.json").read_text())
             self._settings, self.answered = settings, 0
             self.starts += 1
         return self
@@ -134,8 +178,7 @@ class FakeEngine:
         model = self._settings.model
         if model.get("max_model_len"):
             return int(model["max_model_len"])
-        hf_config = json.loads((Path(model["model"]) / "config.json").read_text())
-        return int(hf_config.get("max_position_embeddings") or 2048)
+        return int(self._model_config.get("max_position_embeddings") or 2048)
 
     # -- Requests -------------------------------------------------------------------------------------
 
@@ -150,7 +193,7 @@ class FakeEngine:
             errors.append(None)
         return errors
 
-    def step(self) -> list[FakeOutput]:
+    def step(self) -> list[FakeOutput | FakePoolingOutput]:
         """Answer up to ``max_num_seqs`` requests, oldest first.
 
         Raises:
@@ -160,7 +203,7 @@ class FakeEngine:
         crash_after, rate = self.failures.get("crash_after"), self.failures.get("tokens_per_second")
         if crash_after is not None and self.answered >= crash_after:
             raise FakeEngineDied(f"the fake engine died after {self.answered} requests (engine.fake.crash_after)")
-        out: list[FakeOutput] = []
+        out: list[FakeOutput | FakePoolingOutput] = []
         tokens = 0
         while self._queue and len(out) < self.max_num_seqs:
             if crash_after is not None and self.answered >= crash_after:
@@ -169,7 +212,7 @@ class FakeEngine:
                 break  # a step stays short, so the feed looks at its stop flag and splits between them
             _, request = self._queue.popitem(last=False)
             out.append(self._answer(request))
-            tokens += sum(len(s.token_ids) for s in out[-1].outputs)
+            tokens += out[-1].tokens
             self.answered += 1
         if rate:  # as long as an engine of that speed takes for them
             time.sleep(tokens / rate)
@@ -196,8 +239,10 @@ class FakeEngine:
 
     # -- The answers ------------------------------------------------------------------------------------
 
-    def _answer(self, request: EngineRequest) -> FakeOutput:
+    def _answer(self, request: EngineRequest) -> FakeOutput | FakePoolingOutput:
         params, ids = request.params, list(request.prompt["prompt_token_ids"])
+        if getattr(params, "task", None) is not None:  # vLLM's PoolingParams
+            return FakePoolingOutput(request.request_id, ids, FakePooled(self._pooled(ids, params)))
         samples = [self._sample(ids, params, i) for i in range(getattr(params, "n", 1) or 1)]
         return FakeOutput(request.request_id, ids, samples)
 
@@ -225,6 +270,27 @@ class FakeEngine:
         if getattr(params, "logprobs", None) is not None:
             logprobs = [{t: FakeLogprob(0.0, 1, self._hf.decode([t]))} for t in tokens]
         return FakeSample(index, text, tokens, finish, logprobs)
+
+    def _pooled(self, ids: list[int], params: Any) -> list[Any]:
+        digest = hashlib.blake2b(array.array("q", ids).tobytes(), digest_size=8).digest()
+        draw = random.Random(digest).gauss
+        activation = params.use_activation is not False
+        if params.task == "token_classify":  # a per-token reward model: one raw value per prompt token
+            return [[draw(0.0, 1.0)] for _ in ids]
+        if params.task == "embed":
+            size = params.dimensions or self._model_config.get("hidden_size") or 64
+            values = [draw(0.0, 1.0) for _ in range(size)]
+            norm = math.sqrt(sum(v * v for v in values)) if activation else 1.0
+            return [v / norm for v in values]
+        labels = self._model_config.get("id2label") or {}
+        logits = [draw(0.0, 2.0) for _ in range(len(labels) or 1)]
+        if not activation:
+            return logits
+        if len(logits) == 1:  # one output: vLLM's sigmoid
+            return [1 / (1 + math.exp(-logits[0]))]
+        top = max(logits)
+        exps = [math.exp(v - top) for v in logits]
+        return [e / sum(exps) for e in exps]
 
 
 def instance(schema: Any, h: str, root: Any = None) -> Any:
@@ -274,7 +340,7 @@ def instance(schema: Any, h: str, root: Any = None) -> Any:
 
 
 def check_config(config: dict[str, Any]) -> None:
-    """``engine.fake`` goes with ``engine.kind: fake``, which answers text generation only.
+    """``engine.fake`` goes with ``engine.kind: fake``.
 
     Raises:
         ConfigError: naming the key.
@@ -283,10 +349,6 @@ def check_config(config: dict[str, Any]) -> None:
     if engine.get("kind", "vllm") != KIND:
         if any(v not in (None, False, 0, []) for v in (engine.get("fake") or {}).values()):
             raise ConfigError(f"engine.fake is set, but engine.kind is {engine.get('kind', 'vllm')}: set kind: fake")
-        return
-    task = cfg.task_kind(config)
-    if task.uses_engine and task.name != "generate":
-        raise ConfigError(f"engine.kind: fake answers task generate only, not {task.name}")
 
 
 def content(engine: Mapping[str, Any]) -> dict[str, Any]:

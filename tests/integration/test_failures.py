@@ -28,8 +28,6 @@ from tests.integration.workflow import (
     workflow_config,
 )
 
-pytestmark = pytest.mark.engine
-
 NO_PERIODIC_SAVES = {"rows": 10_000, "seconds": 3600}
 # A Slurm job's rows/s over the session engine's on the same rows (``rows_per_s``), measured here
 JOB_SPEED = 1.07  # a job 2.99 rows/s, the session engine 2.80 (AVX-512, 2 cores)
@@ -129,6 +127,7 @@ def batch_run(tmp_path, rows: int) -> tuple[dict, dict[str, int]]:
     return config, limits
 
 
+@pytest.mark.engine
 def test_kill_9_loses_only_unsaved_rows_and_a_rerun_after_the_retries_are_used_up_resumes(tmp_path):
     """Also: an OpenAI batch file in and out, each request with its own sampling (one with its own n
     and logprobs, one with logprobs), the invalid ones in the error file; the rerun keeps every
@@ -183,6 +182,7 @@ def _job_states(job_ids) -> dict[str, str]:
     return dict(line.split() for line in out.splitlines() if line.strip())
 
 
+@pytest.mark.engine
 @pytest.mark.slurm
 @pytest.mark.serial  # sized from the session engine's speed: with nothing beside it, as its job runs
 def test_a_time_limit_and_a_scancel_each_save_the_finished_rows_and_the_retries_get_more_time(
@@ -241,6 +241,8 @@ def test_a_rerun_after_a_killed_controller_waits_for_its_orphan_and_writes_every
     (scontrol suspend) until the rerun's job waits for it, so that it cannot finish first."""
     rows = 40
     config = one_shard_run(tmp_path, rows)
+    # the fake engine, at about a real job's speed here (3 rows/s): which job writes the shard is shardgen's
+    config["engine"] = {"kind": "fake", "fake": {"tokens_per_second": 72}}
     # longer than the suspension (the unlock, the rerun's start and its job's, up to about 75 s on a
     # slow machine); the waiting job looks every 36 s
     config["shards"]["lease_seconds"] = 180
@@ -273,6 +275,7 @@ def test_a_rerun_after_a_killed_controller_waits_for_its_orphan_and_writes_every
     assert _job_states([orphan]) == {orphan: "COMPLETED"}
 
 
+@pytest.mark.engine
 def test_a_kv_cache_too_small_at_engine_start_is_retried_with_a_larger_one_and_succeeds(tmp_path):
     """Also, while this run goes: a dry run of another config in its directory changes nothing it
     reads, and a second run on its output directory from elsewhere is refused, naming this one."""

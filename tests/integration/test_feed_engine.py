@@ -1,5 +1,5 @@
-"""Throughput mechanics on the real engine: the queue is kept full, and the
-prefix-aware order hits the prefix cache more often than a shuffled one."""
+"""Throughput mechanics: the queue is kept full (the feed's, on the fake engine), and the prefix-aware
+order hits the real engine's prefix cache more often than a shuffled one."""
 
 from __future__ import annotations
 
@@ -8,37 +8,36 @@ import random
 import pyarrow.parquet as pq
 import pytest
 
+from shardgen.fake_engine import FakeEngine
 from shardgen.generate import JobContext, run_shard
 from shardgen.plan import write_manifest
 from tests.conftest import base_config, make_rows, write_parquet
 
-pytestmark = pytest.mark.engine
 
-
-def test_the_engine_queue_never_drains_while_rows_remain(tmp_path, engine, monkeypatch):
-    """Seen from the engine: before every step while rows remain, it holds a full window of requests."""
+def test_the_engine_queue_never_drains_while_rows_remain(tmp_path, monkeypatch):
+    """Seen from the engine: before every step while rows remain, it holds a full window of requests. The
+    fake engine (answering 2 requests a step): the window is the feed's, whatever the engine."""
     window, rows = 6, 40
     data = write_parquet(tmp_path / "in.parquet", make_rows(rows))
-    config = base_config(
-        {"parquet": [str(data)]}, shards={"rows_per_shard": rows}, output={"dir": str(tmp_path / "out")}
-    )
+    config = base_config({"parquet": [str(data)]}, shards={"rows_per_shard": rows}, model={"max_num_seqs": 2},
+                         output={"dir": str(tmp_path / "out")}, engine={"kind": "fake"})  # fmt: skip
     write_manifest(config, tmp_path / "m.json")
-    core = engine.llm.llm_engine
+    engine = FakeEngine()
     events: list[tuple[str, int]] = []
-    real_step, real_add = core.step, core.add_request
+    real_step, real_submit = engine.step, engine.submit
 
     def step():
-        events.append(("step", core.get_num_unfinished_requests()))
+        events.append(("step", len(engine._queue)))
         return real_step()
 
-    def add_request(*args, **kwargs):
-        out = real_add(*args, **kwargs)
-        events.append(("add", core.get_num_unfinished_requests()))
+    def submit(requests):
+        out = real_submit(requests)
+        events.extend(("add", len(engine._queue)) for _ in requests)
         return out
 
     with monkeypatch.context() as m:
-        m.setattr(core, "step", step)
-        m.setattr(core, "add_request", add_request)
+        m.setattr(engine, "step", step)
+        m.setattr(engine, "submit", submit)
         stats = run_shard(config, tmp_path / "m.json", "00000", tmp_path / "o.parquet", tmp_path / "o.json",
                           JobContext(engine, window=window))  # fmt: skip
     last_add = max(i for i, (kind, _) in enumerate(events) if kind == "add")
@@ -76,6 +75,7 @@ def run_order(tmp_path, engine, rows: list[dict], order: str) -> tuple[list, dic
     return pq.read_table(work / "o.parquet").to_pylist(), stats
 
 
+@pytest.mark.engine
 def test_prefix_aware_order_hits_the_prefix_cache_more_than_a_shuffled_order(tmp_path, engine):
     # 16 documents (about 330 tokens) x 4 questions, shuffled. Their shared prefixes (2 blocks
     # of 128 tokens each, 32 in all) do not fit the test engine's KV cache

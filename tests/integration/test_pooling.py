@@ -1,9 +1,9 @@
-"""The pooling tasks end to end on the real engine, through the workflow: a classifier (killed with
-kill -9 mid-shard, then resumed), an embedding model (local profile, from an OpenAI batch file), and a
-cross-encoder through the Slurm profile (from vLLM's score and rerank requests; the reward model: the
-steps test in test_workflow.py). Every row exactly once, each output column of its Arrow type and
-shape, the stats and the report consistent with the rows; and a classifier task on a model without a
-classification head stops in the preflight."""
+"""The pooling tasks end to end through the workflow: a classifier (killed with kill -9 mid-shard, then
+resumed: the fake engine), and on the real engine an embedding model (local profile, from an OpenAI batch
+file), a cross-encoder through the Slurm profile (from vLLM's score and rerank requests) and a reward
+model (its raw score). Every row exactly once, each output column of its Arrow type and shape, the stats
+and the report consistent with the rows; and a classifier task on a model without a classification head
+stops in the preflight."""
 
 from __future__ import annotations
 
@@ -26,8 +26,6 @@ from tests.integration.workflow import (
     run_workflow,
     workflow_config,
 )
-
-pytestmark = pytest.mark.engine
 
 CLASSIFIER = ROOT / "models" / "classifier"
 REWARD = ROOT / "models" / "reward"
@@ -66,9 +64,13 @@ def merged(tmp_path, rows: int) -> tuple[pa.Table, dict]:
 
 
 def test_a_classifier_killed_mid_shard_resumes_and_gives_a_label_and_probabilities_per_row(tmp_path):
+    """On the fake engine, at a set speed (the resume is shardgen's; vLLM's probabilities: the pooling
+    benchmark's smoke run in test_bench.py, the same values as ``LLM.classify``): the columns follow the
+    model's head."""
     rows = 240
     config = pooling_run(tmp_path, "classify", CLASSIFIER, rows, checkpoint={"rows": 8, "seconds": 300})
     config["model"]["max_num_seqs"] = 2
+    config["engine"] = {"kind": "fake", "fake": {"tokens_per_second": 300}}  # prompt tokens: about 12 s
     run = Background(tmp_path, config, "local", "--retries", "0")
     ckpt = tmp_path / "results" / "checkpoints" / "00000"
     run.wait_until(lambda: part_rows(ckpt) > 0, 300, "a checkpoint part")
@@ -94,6 +96,7 @@ def test_a_classifier_killed_mid_shard_resumes_and_gives_a_label_and_probabiliti
     assert "prompt tokens/s" in totals and "rows per GPU-hour" in totals and "output tokens/s" not in totals
 
 
+@pytest.mark.engine
 def test_an_embedding_model_gives_a_fixed_size_normalised_float32_vector_per_row(tmp_path):
     """From an OpenAI batch file of embedding requests to OpenAI's embedding lists (the Parquet
     output's vector column is checked from the shards, which every format is merged from)."""
@@ -122,6 +125,19 @@ def test_an_embedding_model_gives_a_fixed_size_normalised_float32_vector_per_row
     assert stats["task"] == "embed" and stats["num_shards"] == 1 and stats["errors"] == 1
 
 
+@pytest.mark.engine
+def test_a_reward_model_gives_each_row_its_raw_score(tmp_path):
+    """A one-output classifier's raw score (no sigmoid): what select.best_of ranks samples by (the
+    steps test in test_workflow.py runs the same task on the fake engine)."""
+    rows = 8
+    config = pooling_run(tmp_path, "reward", REWARD, rows)
+    run_workflow(tmp_path, config, "local")
+    table, stats = merged(tmp_path, rows)
+    assert table.schema.field("reward").type == pa.float32() and stats["task"] == "reward"
+    rewards = table.column("reward").to_pylist()
+    assert any(not 0 <= x <= 1 for x in rewards) and len(set(rewards)) > 1, "raw scores, one per row"
+
+
 def flaky_scontrol(bin_dir) -> str:
     """A PATH whose ``scontrol show config`` fails every other call, as it did in CI under load: the
     Slurm plugin then queries sacct for that status check, which fails without accounting, and (but
@@ -138,6 +154,7 @@ def flaky_scontrol(bin_dir) -> str:
     return f"{bin_dir}:{os.environ['PATH']}"
 
 
+@pytest.mark.engine
 @pytest.mark.slurm
 def test_a_cross_encoder_scores_each_pair_through_slurm(tmp_path, slurm_cluster, monkeypatch):
     """From an OpenAI batch file of vLLM's score and rerank requests (one text with several, N with N,

@@ -1,4 +1,5 @@
-"""The whole workflow: real Parquet and datasets inputs, the real engine, the real Slurm."""
+"""The whole workflow: real Parquet and datasets inputs, the real Slurm; the real engine in the tests marked
+engine, the fake one (engine.kind: fake) where what is tested is shardgen's own (reruns, steps, selection)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,6 @@ from tests.integration.workflow import (
     slurm_jobs,
     workflow_config,
 )
-
-pytestmark = pytest.mark.engine
 
 STATS_KEYS = {
     "rows",
@@ -68,6 +67,7 @@ def check_output(workdir, ids: list[str]) -> tuple:
     return table, stats
 
 
+@pytest.mark.engine
 @pytest.mark.slurm
 def test_slurm_profile_submits_a_job_per_shard_without_pausing_retries_a_killed_one_alone_and_merges_every_row(
     tmp_path, slurm_cluster, s3_server
@@ -148,8 +148,9 @@ def test_local_profile_runs_a_dataset_saved_with_save_to_disk_into_a_datasets_di
 
     rows = make_rows(14)
     datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "ds")
-    # one shard: the Slurm test runs several
-    config = workflow_config({"disk": str(tmp_path / "ds")}, shards={"rows_per_shard": 14}, output={"format": "hf"})
+    # one shard (the Slurm test runs several), on the fake engine: what is tested is what reruns
+    config = workflow_config({"disk": str(tmp_path / "ds")}, shards={"rows_per_shard": 14}, output={"format": "hf"},
+                             engine={"kind": "fake"})  # fmt: skip
     run_workflow(tmp_path, config, "local")
     ds = datasets.load_from_disk(str(tmp_path / "results" / "output"))
     stats = json.loads((tmp_path / "results" / "stats.json").read_text())
@@ -207,6 +208,7 @@ def test_an_hf_input_whose_local_data_file_grew_is_planned_again_not_kept_or_ref
     assert json.loads(manifest.read_text())["total_rows"] == 10
 
 
+@pytest.mark.engine
 def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_token(tmp_path, monkeypatch):
     """Shell metacharacters in values, a column named like a path, an output
     directory with a space, and a token in the environment: the run labels
@@ -282,8 +284,9 @@ def check(row):
 def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoes_only_what_changed(
     tmp_path, slurm_cluster
 ):
-    """A run of three steps through the Slurm profile, with the real engine: four seeded samples per
-    row (draft), a Python function on each sample in CPU jobs (check, ``keep_if``: it turns down one
+    """A run of three steps through the Slurm profile, on the fake engine (what is tested is how steps
+    chain, select and rerun; the reward model on vLLM: test_pooling): four seeded samples per row
+    (draft), a Python function on each sample in CPU jobs (check, ``keep_if``: it turns down one
     sample of each row), then the test reward model on the samples it kept (judge) with
     ``select.best_of``. The run is stopped (Ctrl-C) once the judge committed a shard; the rerun redoes
     no shard of the draft or the check and not that one. The function ran once per sample; the output
@@ -295,6 +298,8 @@ def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoe
     config = workflow_config({"parquet": [str(tmp_path / "data" / "in.parquet")], "id_column": "id"},
                              shards={"rows_per_shard": 3})  # fmt: skip
     config.pop("sampling")
+    # slow enough that the run is stopped before the judge's second shard is done (a shard 5-10 s)
+    config["engine"] = {"kind": "fake", "fake": {"tokens_per_second": 20}}
     reward = {**TEST_MODEL_CFG, "model": str(ROOT / "models" / "reward")}
     judge_prompt = {"template": "Question: What is {{ topic }}?\nAnswer: {{ generation }}", "chat": False}
     calls = tmp_path / "check-calls"
@@ -435,6 +440,7 @@ def verify(row):
 """
 
 
+@pytest.mark.engine
 @pytest.mark.slurm
 def test_a_rollout_then_a_function_step_keep_each_conversation_once_through_kills_of_both_jobs(tmp_path, slurm_cluster):
     """A rollout with tools (``tool_choice: required``, the real engine) -> verify (a Python function in

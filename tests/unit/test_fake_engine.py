@@ -12,7 +12,7 @@ from shardgen import fake_engine
 from shardgen.errors import ConfigError
 from shardgen.generate import JobContext, run_shard
 from shardgen.plan import write_manifest
-from tests.conftest import base_config, make_rows, write_parquet
+from tests.conftest import ROOT, base_config, make_rows, write_parquet
 from tests.integration.workflow import part_rows
 
 FAKE = {"kind": "fake"}
@@ -89,9 +89,31 @@ def test_a_dead_engine_fails_the_attempt_and_the_next_one_answers_only_the_rows_
     assert len(stats["attempts"]) == 2
 
 
-def test_the_fake_engine_is_for_generation_its_failures_go_with_it_and_its_rows_are_not_vllms(tmp_path):
-    with pytest.raises(ConfigError, match="engine.kind: fake answers task generate only, not embed"):
-        plan(tmp_path, engine=FAKE, task="embed", sampling={})
+def test_the_fake_engine_pools_as_the_task_asks_from_its_models_head(tmp_path):
+    """classify: a probability per id2label class; reward: the raw score of one output; embed: a unit
+    vector of the model's size; the same row the same values in every run."""
+    prompt = {"template": "A note about {{ topic }}.", "chat": False}
+
+    def pooled(task, model, name, **overrides):
+        config, manifest = plan(tmp_path / name, rows=8, task=task, prompt=prompt, sampling={},
+                                model={"model": str(ROOT / "models" / model)}, **overrides)  # fmt: skip
+        rows, stats = run(tmp_path / name, config, manifest)
+        assert all(r["error"] is None for r in rows) and stats["rows_generated"] == 8
+        return rows
+
+    labels = json.loads((ROOT / "models" / "classifier" / "config.json").read_text())["id2label"]
+    classified = pooled("classify", "classifier", "c")
+    assert all(sum(r["probs"].values()) == pytest.approx(1, abs=1e-5) for r in classified)
+    assert {r["label"] for r in classified} <= set(labels.values()) and len({r["label"] for r in classified}) > 1
+    rewards = [r["reward"] for r in pooled("reward", "reward", "r")]
+    assert any(not 0 <= x <= 1 for x in rewards) and len(set(rewards)) > 1, "raw scores"
+    assert [r["reward"] for r in pooled("reward", "reward", "r2")] == rewards, "the same values in every run"
+    embedded = pooled("embed", "SmolLM2-135M-Instruct", "e")
+    assert {len(r["embedding"]) for r in embedded} == {576}
+    assert all(sum(x * x for x in r["embedding"]) == pytest.approx(1, abs=1e-4) for r in embedded)
+
+
+def test_the_fake_engines_failures_go_with_it_and_its_rows_are_not_vllms(tmp_path):
     with pytest.raises(ConfigError, match="engine.fake is set, but engine.kind is vllm"):
         plan(tmp_path, engine={"fake": {"crash_after": 3}})
     data = str(write_parquet(tmp_path / "in.parquet", make_rows(4)))
