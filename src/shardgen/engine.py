@@ -269,6 +269,7 @@ class Engine:
         self.starts = 0  # engines this handle started
         self._workers: Any = None  # multinode.Workers of an engine over several nodes
         self._counters = count_instead_of_prometheus(llm)
+        self._loras: dict[Any, Any] = {}  # lora.Adapter -> vLLM's LoRARequest
 
     @classmethod
     def of(cls, config: RunConfig) -> Engine:
@@ -373,10 +374,18 @@ class Engine:
         for i, (r, prompt) in enumerate(zip(requests, prompts, strict=True)):
             if errors[i] is None:
                 try:
-                    engine.add_request(r.request_id, prompt, r.params, lora_request=r.lora)
+                    engine.add_request(r.request_id, prompt, r.params, lora_request=self._lora_request(r.lora))
                 except Exception as e:  # noqa: BLE001 - vLLM's per-request validation
                     errors[i] = e
         return errors
+
+    def _lora_request(self, adapter: Any) -> Any:
+        """The adapter's ``LoRARequest``, one per adapter for the engine's life."""
+        if adapter is None:
+            return None
+        if adapter not in self._loras:
+            self._loras[adapter] = lora_request(adapter)
+        return self._loras[adapter]
 
     def step(self) -> list[Any]:
         """One engine step: the outputs it made (vLLM's ``RequestOutput``/``PoolingRequestOutput``)."""
@@ -491,8 +500,12 @@ def make_sampling_params(sampling_cfg: Any, choice_token_ids: list[int] | None =
     ``structured_outputs`` becomes vLLM's ``StructuredOutputsParams``;
     ``choice_token_ids`` asks for the log-probabilities of the labels' first
     tokens (``output.choice_probs``). The seed is per row (``row_seed``), not here.
+
+    Raises:
+        ValueError, TypeError: a value vLLM refuses (``SamplingParams._verify_args``), with its message.
     """
     from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     kwargs = {k: v for k, v in sampling_cfg.items() if k not in _OWN_SAMPLING_KEYS and v is not None}
@@ -500,7 +513,51 @@ def make_sampling_params(sampling_cfg: Any, choice_token_ids: list[int] | None =
         kwargs["structured_outputs"] = StructuredOutputsParams(**sampling_cfg["structured_outputs"])
     if choice_token_ids:
         kwargs["logprob_token_ids"] = list(choice_token_ids)
-    return SamplingParams(**kwargs, output_kind=RequestOutputKind.FINAL_ONLY)
+    try:
+        return SamplingParams(**kwargs, output_kind=RequestOutputKind.FINAL_ONLY)
+    except VLLMValidationError as e:
+        raise ValueError(str(e)) from None
+
+
+def make_pooling_params(task: str, use_activation: bool | None, dimensions: int | None) -> Any:
+    """vLLM's ``PoolingParams`` of one pooling request (its own: vLLM sets fields on it)."""
+    from vllm import PoolingParams
+
+    return PoolingParams(task=task, use_activation=use_activation, dimensions=dimensions)
+
+
+def lora_request(adapter: Any) -> Any:
+    """vLLM's ``LoRARequest`` of an adapter (``lora.Adapter``); None for the base model."""
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.id, adapter.path)
+
+
+def engine_died(error: BaseException) -> bool:
+    """Whether ``error`` is vLLM's report that its engine core process died (``EngineDeadError``)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(error, EngineDeadError)
+
+
+def kv_cache_dtypes() -> set[str]:
+    """The ``kv_cache_dtype`` values the installed vLLM knows (``vllm.config.cache.CacheDType``)."""
+    import typing
+
+    from vllm.config.cache import CacheDType
+
+    return set(typing.get_args(CacheDType))
+
+
+def engine_argument_names() -> set[str]:
+    """The arguments of the installed vLLM's engine (``EngineArgs``' fields): what ``model.extra`` may set."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 def row_seed(seed: int, row_key: Any) -> int:

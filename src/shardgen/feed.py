@@ -158,7 +158,7 @@ class Request:
     params: Any
     row: dict[str, Any] = field(repr=False, default_factory=dict)
     submitted: float = 0.0  # when it was given to the engine (time.time())
-    lora: Any = None  # the row's LoRARequest (lora.Adapters), None for the base model
+    lora: Any = None  # the row's adapter (lora.Adapter), None for the base model
     image_columns: tuple[str, ...] = ()  # decoded only when the request goes to the engine
     prompt: Any = field(repr=False, default=None)  # what was rendered: a text, or a conversation's messages
     turn: int = 0  # a conversation's turn (``Turns``) after its first
@@ -191,7 +191,7 @@ class RowInputs:
             raise RowError("invalid_request", f"url: {row.get('url')!r}, but this run serves {', '.join(self.urls)}")
 
     def lora(self, row: dict[str, Any]) -> Any:
-        """The row's ``LoRARequest`` (None: the base model).
+        """The row's adapter (``lora.Adapter``; None: the base model).
 
         Raises:
             RowError: the row names an adapter that is not declared.

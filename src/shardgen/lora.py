@@ -1,5 +1,5 @@
 """LoRA adapters: which one each row's request runs with (``lora.adapter`` for all, or
-``lora.column`` per row), as vLLM's ``LoRARequest``, and what preflight checks of them.
+``lora.column`` per row), as ``Adapter``s the engine makes its requests of, and what preflight checks of them.
 
 vLLM serves an adapter per request: ``LLMEngine.add_request(..., lora_request=)``
 (vllm/v1/engine/llm_engine.py), with the engine started with
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,18 @@ VLLM_DEFAULT_MAX_LORA_RANK = 16  # vllm/config/lora.py: LoRAConfig.max_lora_rank
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # ... and its allowed values (MaxLoRARanks)
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """One adapter a request runs with: its name, its number (unique in the run, from 1) and its local
+    directory; the engine makes its own request of it (vLLM's ``LoRARequest``: ``engine.lora_request``)."""
+
+    name: str
+    id: int
+    path: str
+
+
 class Adapters:
-    """The run's adapters, as ``LoRARequest``s by name.
+    """The run's adapters (``Adapter``) by name.
 
     Args:
         lora: the config's ``lora`` section.
@@ -44,15 +55,12 @@ class Adapters:
     def __init__(self, lora: Any, records: Mapping[str, Mapping[str, Any]], build: str = "cuda") -> None:
         self.lora = lora
         self.build = build
-        self.requests: dict[str, Any] = {}
-        if records:
-            from vllm.lora.request import LoRARequest
+        self.requests: dict[str, Adapter] = {}
+        for i, name in enumerate(sorted(records or ()), start=1):
+            self.requests[name] = Adapter(name, i, str(records[name]["path"]))
 
-            for i, name in enumerate(sorted(records), start=1):
-                self.requests[name] = LoRARequest(name, i, records[name]["path"])
-
-    def for_row(self, row: Mapping[str, Any]) -> Any:
-        """The row's ``LoRARequest``, or None for the base model.
+    def for_row(self, row: Mapping[str, Any]) -> Adapter | None:
+        """The row's adapter, or None for the base model.
 
         Raises:
             RowError: the row names an adapter that is not declared.

@@ -10,7 +10,6 @@ the report (``preflight.json``) also carries an estimate of the run's size.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -93,7 +92,6 @@ def check_engine_values(model_cfg: Mapping[str, Any], hf_config: Mapping[str, An
     """``model.quantization`` and ``model.kv_cache_dtype`` against the installed vLLM's own lists (a typo
     is refused here, not inside a job), and ``fp8`` on a checkpoint it cannot quantize at load."""
     import difflib
-    import typing
 
     problems = []
     for key in ("quantization", "kv_cache_dtype"):
@@ -103,9 +101,7 @@ def check_engine_values(model_cfg: Mapping[str, Any], hf_config: Mapping[str, An
         if key == "quantization":
             allowed = sorted(installed_quantization_methods() | {"auto"})
         else:
-            from vllm.config.cache import CacheDType
-
-            allowed = sorted(set(typing.get_args(CacheDType)) | {"auto"})
+            allowed = sorted(eng.kv_cache_dtypes() | {"auto"})
         if value not in allowed:
             near = difflib.get_close_matches(str(value), allowed, n=1)
             problems.append(
@@ -150,9 +146,7 @@ def check_engine_keys(model_cfg: Mapping[str, Any]) -> list[str]:
         return []
     import difflib
 
-    from vllm.engine.arg_utils import EngineArgs
-
-    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    known = eng.engine_argument_names()
     problems = []
     for key in sorted(set(extra) - known):
         near = difflib.get_close_matches(key, sorted(known), n=1)

@@ -78,7 +78,7 @@ class Completion:
 class EngineRequest:
     """One request as the feed gives it to an engine (``Engine.submit``): its id (unique in the
     engine), the prompt (``{"prompt_token_ids": ...}``, with ``multi_modal_data`` for images), the
-    task's parameters (``SamplingParams``/``PoolingParams``) and the LoRA adapter (a ``LoRARequest``)."""
+    task's parameters (``SamplingParams``/``PoolingParams``) and the LoRA adapter (a ``lora.Adapter``)."""
 
     request_id: str
     prompt: dict[str, Any]

@@ -208,8 +208,6 @@ def sampling_params(
     Raises:
         RowError: naming the column and field.
     """
-    from vllm.exceptions import VLLMValidationError  # vLLM only where a job runs (the controller may have none)
-
     given = overrides(value, column)
     sampling = row_sampling(run, given, column, own_n=own_n)
     if choice_token_ids and sampling.get("logprobs") is not None:
@@ -217,5 +215,5 @@ def sampling_params(
     seed = given.get("seed")
     try:
         return make_sampling_params(sampling, choice_token_ids), seed
-    except (ValueError, TypeError, VLLMValidationError) as e:  # vLLM's own checks (SamplingParams._verify_args)
+    except (ValueError, TypeError) as e:  # vLLM's own checks (SamplingParams._verify_args)
         raise RowError(REASON, f"{column}: {e}") from None

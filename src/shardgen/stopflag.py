@@ -97,9 +97,9 @@ class StopFlag:
         """Whether ``error`` is the signal's doing: Slurm signals every process of a job (scancel, the time
         limit), so vLLM's engine core gets the SIGTERM too and may die before this process's handler
         has run; the engine's death is then the stop, not a failure (seen on the local Slurm)."""
-        from vllm.v1.engine.exceptions import EngineDeadError
+        from shardgen.engine import engine_died
 
         deadline = time.time() + grace_s
-        while self.signal is None and isinstance(error, EngineDeadError) and time.time() < deadline:
+        while self.signal is None and engine_died(error) and time.time() < deadline:
             time.sleep(0.05)  # the handler runs on this thread, between these sleeps
         return self.signal is not None

@@ -370,9 +370,7 @@ class PoolingTask(Task):
         self.dimensions = pooling.dimensions
 
     def params(self, index: int, row: dict[str, Any]) -> Any:
-        from vllm import PoolingParams
-
-        return PoolingParams(task=self.vllm_task, use_activation=self.use_activation, dimensions=self.dimensions)
+        return eng.make_pooling_params(self.vllm_task, self.use_activation, self.dimensions)
 
     def finish(self, row: dict[str, Any], completion: Completion) -> Finished:
         data = completion.output.outputs.data.tolist()
