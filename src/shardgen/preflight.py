@@ -41,7 +41,6 @@ from shardgen.kernels import kernel_problem
 from shardgen.plan import Manifest, check_columns
 from shardgen.prompts import PromptRenderer
 from shardgen.results import choice_first_tokens
-from shardgen.sources import served_urls
 
 # Weight formats that need a CUDA GPU: vLLM's CPU build has no kernels for them.
 GPU_ONLY_QUANTIZATION = FP8_WEIGHT_FORMATS | FP4_WEIGHT_FORMATS | MXFP4_WEIGHT_FORMATS
@@ -301,15 +300,16 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     model_cfg, sampling = config.model, config.sampling
     max_rate = config.errors.max_rate
 
-    # The input: as planned, and ids that identify rows. A later step of a run of steps reads rows the
-    # step before makes after this check: its columns are checked below, its rows by its jobs.
-    later_step = config.input.step is not None
-    if not later_step:
+    # The input: as planned, and ids that identify rows. Rows that a run before this one makes after this
+    # check (its source is not read at preflight) are not read: their columns are checked below, the rows
+    # by the jobs. Ids that planning checked already are not read again.
+    kind = manifest.source_kind
+    if kind.read_at_preflight:
         source.check_unchanged()
     if config.output.upload and (why := storage.check_writable(config.output.upload, config.input.storage_options)):
         problems.append(why)
-    if config.input.id_column and not config.input.openai_batch:  # planning checked every custom_id once;
-        problems += check_ids(source, manifest, config.input.id_column)  # a score request's pairs share it
+    if config.input.id_column and kind.read_at_preflight and not kind.ids_planned:
+        problems += check_ids(source, manifest, config.input.id_column)
 
     if not config.kind.uses_engine:
         return _run_without_engine(config, manifest, source, problems, notes)
@@ -366,7 +366,7 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     renderer = PromptRenderer.from_config(config.prompt)
     if max_len is not None:
         renderer.max_chars = tokenizer.max_prompt_chars
-    sample = [] if later_step else sample_rows(source, manifest, config.preflight.sample_rows)
+    sample = sample_rows(source, manifest, config.preflight.sample_rows) if kind.read_at_preflight else []
     lengths: list[int] = []
     reasons: dict[str, int] = {}
     first_error: dict[str, str] = {}
@@ -377,10 +377,10 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
 
     prompts = []
     budgets: dict[int, int] = {}  # a sampled row's own max_tokens x n (input.sampling_column)
-    batch = RowInputs(urls=served_urls(config))
+    batch = RowInputs.for_run(config, source)
     for index, row in sample:
         try:
-            batch.check(row)  # an OpenAI batch request that is not valid
+            batch.check(row)  # what the source checks of each row (a request that is not valid)
             lora.adapter_name(config.lora, row, build)
             row_images(config.prompt.images, row)  # decoded here: a column of broken images is found now
             if (column := config.input.sampling_column) and row.get(column) is not None:
@@ -444,14 +444,15 @@ def _run_without_engine(
     config: RunConfig, manifest: Manifest, source: Any, problems: list[str], notes: list[str]
 ) -> dict[str, Any]:
     """The preflight of a task without a model (a Python function): its columns, and the task itself on
-    a few sampled rows (``Task.check_rows``; up to the task's ``preflight_rows``). A later step's rows do
-    not exist yet: its task gets none, and checks what it can without them."""
+    a few sampled rows (``Task.check_rows``; up to the task's ``preflight_rows``). Rows that a run before
+    this one makes (its source is not read at preflight) do not exist yet: the task gets none, and checks
+    what it can without them."""
     try:
         check_columns(config, source.schema, source.describe())
     except InputError as e:
         problems.append(str(e))
     n = min(config.preflight.sample_rows, config.kind.preflight_rows or config.preflight.sample_rows)
-    sample = [] if config.input.step is not None else sample_rows(source, manifest, n)
+    sample = sample_rows(source, manifest, n) if manifest.source_kind.read_at_preflight else []
     more_problems, more_notes, *fields = config.kind.check_rows(config, sample, source.schema)
     problems += more_problems
     notes += more_notes
