@@ -165,6 +165,14 @@ class Request:
     prompt: Any = field(repr=False, default=None)  # what was rendered: a text, or a conversation's messages
     turn: int = 0  # a conversation's turn (``Turns``) after its first
 
+    def images(self) -> list[Any]:
+        """The row's images, decoded (when it goes to the engine: only the requests in flight hold theirs).
+
+        Raises:
+            RowError: an image does not decode, naming its column.
+        """
+        return row_images(self.image_columns, self.row)
+
 
 @dataclass
 class RowInputs:
@@ -350,7 +358,7 @@ class Feeder:
             prompt: dict[str, Any] = {"prompt_token_ids": r.prompt_token_ids}
             if r.image_columns:
                 try:
-                    prompt["multi_modal_data"] = {"image": row_images(r.image_columns, r.row)}
+                    prompt["multi_modal_data"] = {"image": r.images()}
                 except RowError as e:
                     yield r, None, e
                     continue

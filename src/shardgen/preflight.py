@@ -14,7 +14,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +22,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardgen import engine as eng
-from shardgen import heads, jobenv, jobinfo, lora, reasoning, rowsampling, storage
+from shardgen import heads, jobenv, jobinfo, lora, reasoning, storage
 from shardgen.config import RunConfig, engine_version, warnings
 from shardgen.errors import InputError, RowError, ShardgenError
-from shardgen.feed import RowInputs
+from shardgen.feed import Request, RowInputs, prepared_requests
 from shardgen.fetch import load_record, resolve_model
 from shardgen.gpus import (
     FP4_WEIGHT_FORMATS,
@@ -34,13 +34,13 @@ from shardgen.gpus import (
     checkpoint_quant_method,
     installed_quantization_methods,
 )
-from shardgen.images import row_images
 from shardgen.installed import version_problem, vllm_build
 from shardgen.io import atomic_write_text
 from shardgen.kernels import kernel_problem
 from shardgen.plan import Manifest, check_columns
 from shardgen.prompts import PromptRenderer
-from shardgen.results import choice_first_tokens
+from shardgen.results import DROPPED, choice_first_tokens
+from shardgen.tasks import Task, make_task
 
 # Weight formats that need a CUDA GPU: vLLM's CPU build has no kernels for them.
 GPU_ONLY_QUANTIZATION = FP8_WEIGHT_FORMATS | FP4_WEIGHT_FORMATS | MXFP4_WEIGHT_FORMATS
@@ -362,42 +362,38 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     problems += more_problems
     notes += more_notes
 
-    # A sample of rows: the template renders, prompts tokenize and fit.
+    # A sample of rows, made requests as a shard job makes them: the template renders, prompts tokenize and
+    # fit, each row's adapter, images and own sampling are valid.
     renderer = PromptRenderer.from_config(config.prompt)
     if max_len is not None:
         renderer.max_chars = tokenizer.max_prompt_chars
     sample = sample_rows(source, manifest, config.preflight.sample_rows) if kind.read_at_preflight else []
-    lengths: list[int] = []
     reasons: dict[str, int] = {}
     first_error: dict[str, str] = {}
 
     def row_error(index: int, row: dict[str, Any], e: RowError) -> None:
+        if e.reason == DROPPED:  # a row its source dropped: not this run's, no error (as a job counts it)
+            return
         reasons[e.reason] = reasons.get(e.reason, 0) + 1
         first_error.setdefault(e.reason, f"row {index}: {e}")
 
-    prompts = []
-    budgets: dict[int, int] = {}  # a sampled row's own max_tokens x n (input.sampling_column)
-    batch = RowInputs.for_run(config, source)
-    for index, row in sample:
-        try:
-            batch.check(row)  # what the source checks of each row (a request that is not valid)
-            lora.adapter_name(config.lora, row, build)
-            row_images(config.prompt.images, row)  # decoded here: a column of broken images is found now
-            if (column := config.input.sampling_column) and row.get(column) is not None:
-                own_n = config.output.samples == "list"
-                params, _ = rowsampling.sampling_params(config.sampling, row[column], column, own_n=own_n)
-                budgets[index] = params.max_tokens * params.n  # the row's own, checked by vLLM
-            prompts.append((index, row, renderer.render(row)))
-        except RowError as e:
-            row_error(index, row, e)
-    encoded = tokenizer.encode_batch([p for _, _, p in prompts])
+    lengths: list[int] = []
     outputs: list[int] = []  # the output tokens each sampled row that runs may generate
-    for (index, row, _), ids in zip(prompts, encoded, strict=True):
-        if isinstance(ids, RowError):
-            row_error(index, row, ids)
+    if sample:
+        try:
+            task = make_task(config, tokenizer, head)
+        except Exception:  # a problem listed above fails it too (a reasoning parser, a rollout's tools, no vLLM)
+            if not problems:
+                raise
+            sample = []  # the run is refused for it anyway
         else:
-            lengths.append(len(ids))
-            outputs.append(budgets.get(index, sampling.max_tokens * sampling.n))
+            records = record.get("adapters") or {}
+            adapters = lora.Adapters(config.lora, records, build) if config.lora.adapters else None
+            inputs = RowInputs.for_run(config, source, adapters)
+            for req in sample_requests(sample, renderer, tokenizer, task, inputs, row_error):
+                lengths.append(len(req.prompt_token_ids))
+                if config.kind.generates:  # the row's own max_tokens and n (input.sampling_column), as vLLM has them
+                    outputs.append(req.params.max_tokens * req.params.n)
     errors = sum(reasons.values())
     detail = "; ".join(f"{k} {v} (first: {first_error[k]})" for k, v in sorted(reasons.items()))
     if "template_unsafe" in reasons:
@@ -438,6 +434,28 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
             + "\n  - ".join(problems)
         )
     return report
+
+
+def sample_requests(
+    sample: list[tuple[int, dict[str, Any]]],
+    renderer: PromptRenderer,
+    tokenizer: eng.Tokenizer,
+    task: Task,
+    inputs: RowInputs,
+    on_error: Callable[[int, dict[str, Any], RowError], None],
+) -> list[Request]:
+    """The sampled rows as the requests a shard job makes of them (``feed.prepared_requests``), each
+    row's images decoded (a job decodes them when it submits the request); a row that would be an
+    error goes to ``on_error`` instead."""
+    out = []
+    for req in prepared_requests(iter(sample), renderer, tokenizer, task, on_error, inputs=inputs):
+        try:
+            req.images()  # a column of broken images is found now
+        except RowError as e:
+            on_error(req.key, req.row, e)
+            continue
+        out.append(req)
+    return out
 
 
 def _run_without_engine(
