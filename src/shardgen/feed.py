@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from shardgen import sources
 from shardgen.errors import RowError, ShardgenError, error_reason
 from shardgen.images import row_images
 from shardgen.progress import progress_bar
@@ -44,12 +45,13 @@ from shardgen.stats import AttemptCounters
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from shardgen.config import CheckpointConfig
+    from shardgen.config import CheckpointConfig, RunConfig
     from shardgen.engine import Tokenizer
     from shardgen.lora import Adapters
     from shardgen.outputs import ShardCheckpoint
     from shardgen.prompts import PromptRenderer
     from shardgen.records import Progress
+    from shardgen.sources import Source
     from shardgen.tasks import Task
 
 
@@ -163,32 +165,42 @@ class Request:
     prompt: Any = field(repr=False, default=None)  # what was rendered: a text, or a conversation's messages
     turn: int = 0  # a conversation's turn (``Turns``) after its first
 
+    def images(self) -> list[Any]:
+        """The row's images, decoded (when it goes to the engine: only the requests in flight hold theirs).
+
+        Raises:
+            RowError: an image does not decode, naming its column.
+        """
+        return row_images(self.image_columns, self.row)
+
 
 @dataclass
 class RowInputs:
-    """What a row's request carries beside its tokens: its LoRA adapter and its images; and, for an
-    OpenAI batch input, the urls the run serves (``sources.served_urls``)."""
+    """What a row's request carries beside its tokens: its LoRA adapter and its images; and what its
+    source asks of each row before it is a request (``sources.SourceKind``): its checks, and whether a
+    row may be one the source drops (``results.DROPPED`` set: not this run's)."""
 
     adapters: Adapters | None = None
     image_columns: tuple[str, ...] = ()
-    urls: tuple[str, ...] = ()
-    step: bool = False  # the input is a step's (steps.StepSource): a row it did not pass on is dropped
+    checks: tuple[Callable[[dict[str, Any]], None], ...] = ()
+    drops_rows: bool = False
+
+    @classmethod
+    def for_run(cls, config: RunConfig, source: Source, adapters: Adapters | None = None) -> RowInputs:
+        """A run's, over ``source``: what a shard job and the preflight make each row's request with."""
+        kind = sources.source_kind(source.kind)
+        return cls(adapters, config.prompt.images, sources.row_checks(config, kind), kind.drops_rows)
 
     def check(self, row: dict[str, Any]) -> None:
-        """A row the step before did not pass on is dropped; a batch request that is not valid, or for
-        another url, is the row's error.
+        """A row the source drops is dropped; one its source's checks refuse is the row's error.
 
         Raises:
-            RowError: naming the field (``dropped``: the row is not this step's).
+            RowError: naming the field (``dropped``: the row is not this run's).
         """
-        if self.step and row.get(DROPPED) is not None:
+        if self.drops_rows and row.get(DROPPED) is not None:
             raise RowError(DROPPED, row[DROPPED])
-        if not self.urls:
-            return
-        if row.get("request_error"):
-            raise RowError("invalid_request", row["request_error"])
-        if row.get("url") not in self.urls:
-            raise RowError("invalid_request", f"url: {row.get('url')!r}, but this run serves {', '.join(self.urls)}")
+        for check in self.checks:
+            check(row)
 
     def lora(self, row: dict[str, Any]) -> Any:
         """The row's adapter (``lora.Adapter``; None: the base model).
@@ -346,7 +358,7 @@ class Feeder:
             prompt: dict[str, Any] = {"prompt_token_ids": r.prompt_token_ids}
             if r.image_columns:
                 try:
-                    prompt["multi_modal_data"] = {"image": row_images(r.image_columns, r.row)}
+                    prompt["multi_modal_data"] = {"image": r.images()}
                 except RowError as e:
                     yield r, None, e
                     continue
@@ -672,7 +684,7 @@ class ShardFeed(ShardLoop):
             self.work.budget.add(c.key, finished.error)
 
     def _row_error(self, index: int, row: dict[str, Any], error: RowError, prompt_tokens: int | None = None) -> None:
-        if error.reason == DROPPED:  # no error of this step's: its reason stays in the row's `dropped`
+        if error.reason == DROPPED:  # no error of this run's: its reason stays in the row's `dropped`
             self._finished.extend(self.task.spec.error_rows(row, index, None))  # type: ignore[arg-type]
         else:
             self._finished.extend(self.task.spec.error_rows(row, index, str(error), prompt_tokens))

@@ -6,9 +6,8 @@
   beside it in ``output.jsonl.provenance.json``;
 - ``hf``: ``<dir>/output/``, a directory ``datasets.load_from_disk`` reads,
   its provenance in the dataset's description;
-- formats a feature adds (``register``): ``openai_batch``, ``<dir>/openai/``,
-  OpenAI's Batch API result and error files and the provenance beside them
-  (``shardgen.openai_batch``).
+- formats a feature adds (``register``): each a directory of files, with
+  the provenance beside them, written and read back by the feature.
 
 Writers take a stream of ``(schema, record batch)`` pairs, so memory stays
 flat however large the output is; readers give a few columns batch by batch
@@ -50,7 +49,7 @@ PROVENANCE_SUFFIX = ".provenance.json"
 
 @dataclass(frozen=True)
 class OutputFormat:
-    """An output format a feature adds (``openai_batch``), as a directory of files: how a merge writes it
+    """An output format a feature adds, as a directory of files: how a merge writes it
     (``write(path, batches, provenance, id_column, top_logprobs)``), whether a directory holds it, its
     provenance (checked against the files it describes), and its prompt and generated tokens, batch by
     batch (``read_columns``)."""
@@ -96,8 +95,8 @@ def write(
         empty: the schema of an output without rows (an empty input).
         provenance: where the rows came from; its ``config_fingerprint`` also
             goes into the Parquet metadata.
-        id_column: ``input.id_column``, the requests' ``custom_id`` of ``openai_batch``.
-        top_logprobs: of ``openai_batch``, how many top tokens a row's request asked for
+        id_column: ``input.id_column``, which a format of requests' answers names each answer by.
+        top_logprobs: for a format of requests' answers, how many top tokens a row's request asked for
             (``rowsampling.logprobs_of``; None: none).
     """
     meta = {

@@ -49,7 +49,7 @@ from shardgen.plan import Manifest, Shard, check_columns, holds, work_order
 from shardgen.prompts import PromptRenderer
 from shardgen.results import result_spec
 from shardgen.rundir import RunDir, committed_fingerprint
-from shardgen.sources import Source, served_urls
+from shardgen.sources import Source
 from shardgen.stats import AttemptCounters, shard_record
 from shardgen.stopflag import Interrupted, StopFlag
 from shardgen.tasks import make_task
@@ -375,8 +375,7 @@ def _feed(job: ShardJob, context: JobContext, run: AttemptRun, log_start: int, l
     task = make_task(config, tokenizer, job.head)
     loras = job.model_record.get("adapters") or {}
     adapters = Adapters(config.lora, loras, run.settings.build) if config.lora.adapters else None
-    urls = served_urls(config)
-    inputs = RowInputs(adapters, config.prompt.images, urls, step=config.input.step is not None)
+    inputs = RowInputs.for_run(config, job.source, adapters)
     feed = ShardFeed(job.work(), task, tokenizer, engine, stop, run.counters, context.window, inputs)
     before = engine.counters()
     t1 = time.time()

@@ -16,13 +16,13 @@ from shardgen.plan import Manifest, Shard
 def shard_fingerprint(config: RunConfig, manifest: Manifest, shard: Shard) -> str:
     """Everything that decides the shard's content: its input rows and the content config."""
     src = manifest.data["source"]
-    if "files" in src:  # Parquet files, OpenAI batch files: each by its path, size and modification time
+    rows_identity = manifest.source_kind.rows_identity
+    if "files" in src:  # input files (Parquet, a feature's): each by its path, size and modification time
         files = src["files"]
         inputs: Any = [_file_identity(files[s.file]) | {"start": s.start, "stop": s.stop} for s in shard.segments]
-    elif src["kind"] == "step":  # the committed shard of the step before: its own fingerprint
-        source = manifest.source()
-        inputs = {"step": [source.file_fingerprint(s.file) for s in shard.segments], "start": shard.start}
-    else:
+    elif rows_identity is not None:  # what the source's kind says identifies them
+        inputs = rows_identity(manifest.source(), shard)
+    else:  # a dataset, by its own fingerprint
         inputs = {"fingerprint": src["fingerprint"], "start": shard.start, "stop": shard.stop}
     return digest({"config": content_config(config.raw), "rows": inputs})
 

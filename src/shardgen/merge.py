@@ -180,8 +180,8 @@ def _batches(
     shards: list[Shard], run_dir: RunDir, checked: dict[str, tuple[int, ...]], dropped: list[int] | None = None
 ) -> Iterator[tuple[pa.Schema, pa.RecordBatch]]:
     """The shards' rows, from the very files ``_check_shards`` checked: a file replaced since (another
-    run committing the shard) stops the merge, which then writes nothing. A later step of a run of
-    steps (``dropped`` given) leaves out the rows the step before did not pass on, and counts them."""
+    run committing the shard) stops the merge, which then writes nothing. Over a source that drops rows
+    (``dropped`` given) it leaves out the rows it dropped (the run before did not pass them on), and counts them."""
     for shard in shards:
         path = run_dir.shard_file(shard.id)
         with open(path, "rb") as f:
@@ -223,24 +223,25 @@ def merge(
         shards, run_dir, lambda version: config.fingerprint_with(version) if version else config.fingerprint
     )
     prov = provenance(config, first, run, config_fp)
+    drops_rows = manifest.source_kind.drops_rows  # rows its input says are not this run's
 
     def empty() -> pa.Schema:  # the schema of an output without rows (input.allow_empty)
 
         head = heads.read_for(load_record(model_record)) if model_record and config.kind.needs_head else None
         schema = result_spec(config, head).schema(manifest.source().schema).remove_metadata()
-        return schema.remove(schema.get_field_index(DROPPED)) if config.input.step else schema
+        return schema.remove(schema.get_field_index(DROPPED)) if drops_rows else schema
 
     output = Path(output)
     with Dir.open(output.parent) as d:  # what a killed merge left: this merge is the output's one writer
         for name in (output.name, f"{output.name}{formats.PROVENANCE_SUFFIX}", Path(stats_path).name):
             d.remove_leftovers(name)
-    dropped = [0] if config.input.step else None
+    dropped = [0] if drops_rows else None
     formats.write(
         config.output.format, output, _batches(shards, run_dir, checked, dropped), empty, prov,
         config.input.id_column, logprobs_of(config.sampling, config.input.sampling_column),
     )  # fmt: skip
     stats = run.result()
-    if dropped is not None:  # rows the step before did not pass on: not this step's rows
+    if dropped is not None:  # rows the run before did not pass on: not this run's rows
         # counted as "rows" (input rows); each had its rows_per_input places in the shard files
         stats["rows_not_passed_on"] = dropped[0] // result_spec(config).rows_per_input
         stats["output_rows"] -= dropped[0]  # the rows of this step's output

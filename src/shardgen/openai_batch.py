@@ -63,7 +63,7 @@ import pyarrow as pa
 
 from shardgen import config as cfg
 from shardgen import formats, sources
-from shardgen.errors import ConfigError, InputError, ShardgenError
+from shardgen.errors import ConfigError, InputError, RowError, ShardgenError
 from shardgen.io import replace_dir
 from shardgen.outputs import lone_surrogate
 from shardgen.sources import BATCH_ROWS, ParquetSource, Segment, SourceKind, expand_patterns
@@ -369,6 +369,22 @@ def served_urls(config: RunConfig) -> tuple[str, ...]:
     if config.task == "score":
         return SCORE + RERANK
     return (COMPLETIONS if URLS[config.task] == CHAT and not config.prompt.chat else URLS[config.task],)
+
+
+def row_check(config: RunConfig) -> Callable[[dict[str, Any]], None] | None:
+    """The check of each request row of a run (``sources.SourceKind.row_check``): a request that is not
+    valid (``request_error``), or for a url the run does not serve (``served_urls``), is the row's error."""
+    urls = served_urls(config)
+    if not urls:
+        return None
+
+    def check(row: dict[str, Any]) -> None:  # raises RowError: invalid_request, naming the field
+        if row.get("request_error"):
+            raise RowError("invalid_request", row["request_error"])
+        if row.get("url") not in urls:
+            raise RowError("invalid_request", f"url: {row.get('url')!r}, but this run serves {', '.join(urls)}")
+
+    return check
 
 
 def scan_line(line: bytes, path: str, lineno: int, pairs: bool = False) -> tuple[str, str | None, int]:
@@ -808,12 +824,14 @@ class OpenAIBatchSource:
                 yield min(BATCH_BLOCK, info.rows - i * BATCH_BLOCK), end - start
 
 
-# planned from input.openai_batch; its manifest entries are of kind "openai_batch"
+# planned from input.openai_batch; its manifest entries are of kind "openai_batch". Each row is checked as
+# a request before it is one (row_check); planning read every custom_id (ids_planned: a score request's
+# rows share one).
 sources.register_source(OpenAIBatchSource.kind, SourceKind(
     OpenAIBatchSource.from_manifest, key="openai_batch",
     open=lambda input_cfg, pairs: OpenAIBatchSource.scan(list(input_cfg.openai_batch), pairs),
     files=lambda input_cfg: expand_patterns(list(input_cfg.openai_batch), "input.openai_batch"),
-    urls=served_urls,
+    row_check=row_check, ids_planned=True,
 ))  # fmt: skip
 
 # -- The output: OpenAI's result and error files (an output format, registered with formats) --------------

@@ -25,7 +25,7 @@ from shardgen.outputs import check_input_columns
 from shardgen.prompts import PromptRenderer
 from shardgen.results import result_spec
 from shardgen.rundir import RunDir
-from shardgen.sources import Segment, Source, open_source, source_from_manifest
+from shardgen.sources import Segment, Source, SourceKind, open_source, source_from_manifest, source_kind
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
@@ -183,9 +183,8 @@ def guided_tail(cuts: list[int], curve: WorkCurve | RowCurve, workers: int) -> l
     return out
 
 
-# What features add to planning (``steps`` registers each): the plan of an input a feature plans itself,
-# by the input key that selects it (``input.step``: the step before's plan), and checks of the input
-# and of the plan before it is written.
+# What features add to planning: the plan of an input a feature plans itself, by the input key that
+# selects it (a run before this one: its plan), and checks of the input and of the plan before it is written.
 PLANNERS: dict[str, Callable[[RunConfig], dict[str, Any]]] = {}
 INPUT_CHECKS: list[Callable[[RunConfig, Source], None]] = []
 PLAN_CHECKS: list[Callable[[RunConfig, Manifest], None]] = []
@@ -296,6 +295,11 @@ class Manifest:
 
     def source(self) -> Source:
         return source_from_manifest(self.data["source"])
+
+    @property
+    def source_kind(self) -> SourceKind:
+        """What the core asks of the plan's source (``sources.source_kind``), without opening it."""
+        return source_kind(self.data["source"]["kind"])
 
     def shard(self, shard_id: str) -> Shard:
         try:

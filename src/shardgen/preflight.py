@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardgen import engine as eng
-from shardgen import heads, jobenv, jobinfo, lora, reasoning, rowsampling, storage
+from shardgen import heads, jobenv, jobinfo, lora, reasoning, storage
 from shardgen.config import RunConfig, engine_version, warnings
 from shardgen.errors import InputError, RowError, ShardgenError
-from shardgen.feed import RowInputs
+from shardgen.feed import Request, RowInputs, prepared_requests
 from shardgen.fetch import load_record, resolve_model
 from shardgen.gpus import (
     FP4_WEIGHT_FORMATS,
@@ -33,14 +33,13 @@ from shardgen.gpus import (
     checkpoint_quant_method,
     installed_quantization_methods,
 )
-from shardgen.images import row_images
 from shardgen.installed import version_problem, vllm_build
 from shardgen.io import atomic_write_text
 from shardgen.kernels import kernel_problem
 from shardgen.plan import Manifest, check_columns
 from shardgen.prompts import PromptRenderer
-from shardgen.results import choice_first_tokens
-from shardgen.sources import served_urls
+from shardgen.results import DROPPED, choice_first_tokens
+from shardgen.tasks import Task, make_task
 
 # Weight formats that need a CUDA GPU: vLLM's CPU build has no kernels for them.
 GPU_ONLY_QUANTIZATION = FP8_WEIGHT_FORMATS | FP4_WEIGHT_FORMATS | MXFP4_WEIGHT_FORMATS
@@ -295,15 +294,16 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     model_cfg, sampling = config.model, config.sampling
     max_rate = config.errors.max_rate
 
-    # The input: as planned, and ids that identify rows. A later step of a run of steps reads rows the
-    # step before makes after this check: its columns are checked below, its rows by its jobs.
-    later_step = config.input.step is not None
-    if not later_step:
+    # The input: as planned, and ids that identify rows. Rows that a run before this one makes after this
+    # check (its source is not read at preflight) are not read: their columns are checked below, the rows
+    # by the jobs. Ids that planning checked already are not read again.
+    kind = manifest.source_kind
+    if kind.read_at_preflight:
         source.check_unchanged()
     if config.output.upload and (why := storage.check_writable(config.output.upload, config.input.storage_options)):
         problems.append(why)
-    if config.input.id_column and not config.input.openai_batch:  # planning checked every custom_id once;
-        problems += check_ids(source, manifest, config.input.id_column)  # a score request's pairs share it
+    if config.input.id_column and kind.read_at_preflight and not kind.ids_planned:
+        problems += check_ids(source, manifest, config.input.id_column)
 
     if not config.kind.uses_engine:
         return _run_without_engine(config, manifest, source, problems, notes)
@@ -356,42 +356,38 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     problems += more_problems
     notes += more_notes
 
-    # A sample of rows: the template renders, prompts tokenize and fit.
+    # A sample of rows, made requests as a shard job makes them: the template renders, prompts tokenize and
+    # fit, each row's adapter, images and own sampling are valid.
     renderer = PromptRenderer.from_config(config.prompt)
     if max_len is not None:
         renderer.max_chars = tokenizer.max_prompt_chars
-    sample = [] if later_step else sample_rows(source, manifest, config.preflight.sample_rows)
-    lengths: list[int] = []
+    sample = sample_rows(source, manifest, config.preflight.sample_rows) if kind.read_at_preflight else []
     reasons: dict[str, int] = {}
     first_error: dict[str, str] = {}
 
     def row_error(index: int, row: dict[str, Any], e: RowError) -> None:
+        if e.reason == DROPPED:  # a row its source dropped: not this run's, no error (as a job counts it)
+            return
         reasons[e.reason] = reasons.get(e.reason, 0) + 1
         first_error.setdefault(e.reason, f"row {index}: {e}")
 
-    prompts = []
-    budgets: dict[int, int] = {}  # a sampled row's own max_tokens x n (input.sampling_column)
-    batch = RowInputs(urls=served_urls(config))
-    for index, row in sample:
-        try:
-            batch.check(row)  # an OpenAI batch request that is not valid
-            lora.adapter_name(config.lora, row, build)
-            row_images(config.prompt.images, row)  # decoded here: a column of broken images is found now
-            if (column := config.input.sampling_column) and row.get(column) is not None:
-                own_n = config.output.samples == "list"
-                params, _ = rowsampling.sampling_params(config.sampling, row[column], column, own_n=own_n)
-                budgets[index] = params.max_tokens * params.n  # the row's own, checked by vLLM
-            prompts.append((index, row, renderer.render(row)))
-        except RowError as e:
-            row_error(index, row, e)
-    encoded = tokenizer.encode_batch([p for _, _, p in prompts])
+    lengths: list[int] = []
     outputs: list[int] = []  # the output tokens each sampled row that runs may generate
-    for (index, row, _), ids in zip(prompts, encoded, strict=True):
-        if isinstance(ids, RowError):
-            row_error(index, row, ids)
+    if sample:
+        try:
+            task = make_task(config, tokenizer, head)
+        except Exception:  # a problem listed above fails it too (a reasoning parser, a rollout's tools, no vLLM)
+            if not problems:
+                raise
+            sample = []  # the run is refused for it anyway
         else:
-            lengths.append(len(ids))
-            outputs.append(budgets.get(index, sampling.max_tokens * sampling.n))
+            records = record.get("adapters") or {}
+            adapters = lora.Adapters(config.lora, records, build) if config.lora.adapters else None
+            inputs = RowInputs.for_run(config, source, adapters)
+            for req in sample_requests(sample, renderer, tokenizer, task, inputs, row_error):
+                lengths.append(len(req.prompt_token_ids))
+                if config.kind.generates:  # the row's own max_tokens and n (input.sampling_column), as vLLM has them
+                    outputs.append(req.params.max_tokens * req.params.n)
     errors = sum(reasons.values())
     detail = "; ".join(f"{k} {v} (first: {first_error[k]})" for k, v in sorted(reasons.items()))
     if "template_unsafe" in reasons:
@@ -434,18 +430,41 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
     return report
 
 
+def sample_requests(
+    sample: list[tuple[int, dict[str, Any]]],
+    renderer: PromptRenderer,
+    tokenizer: eng.Tokenizer,
+    task: Task,
+    inputs: RowInputs,
+    on_error: Callable[[int, dict[str, Any], RowError], None],
+) -> list[Request]:
+    """The sampled rows as the requests a shard job makes of them (``feed.prepared_requests``), each
+    row's images decoded (a job decodes them when it submits the request); a row that would be an
+    error goes to ``on_error`` instead."""
+    out = []
+    for req in prepared_requests(iter(sample), renderer, tokenizer, task, on_error, inputs=inputs):
+        try:
+            req.images()  # a column of broken images is found now
+        except RowError as e:
+            on_error(req.key, req.row, e)
+            continue
+        out.append(req)
+    return out
+
+
 def _run_without_engine(
     config: RunConfig, manifest: Manifest, source: Any, problems: list[str], notes: list[str]
 ) -> dict[str, Any]:
     """The preflight of a task without a model (a Python function): its columns, and the task itself on
-    a few sampled rows (``Task.check_rows``; up to the task's ``preflight_rows``). A later step's rows do
-    not exist yet: its task gets none, and checks what it can without them."""
+    a few sampled rows (``Task.check_rows``; up to the task's ``preflight_rows``). Rows that a run before
+    this one makes (its source is not read at preflight) do not exist yet: the task gets none, and checks
+    what it can without them."""
     try:
         check_columns(config, source.schema, source.describe())
     except InputError as e:
         problems.append(str(e))
     n = min(config.preflight.sample_rows, config.kind.preflight_rows or config.preflight.sample_rows)
-    sample = [] if config.input.step is not None else sample_rows(source, manifest, n)
+    sample = sample_rows(source, manifest, n) if manifest.source_kind.read_at_preflight else []
     more_problems, more_notes, *fields = config.kind.check_rows(config, sample, source.schema)
     problems += more_problems
     notes += more_notes

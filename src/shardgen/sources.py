@@ -1,5 +1,5 @@
 """Input datasets: Parquet files or a Hugging Face dataset, read in place, and the kinds of input
-features add (``register_source``: OpenAI batch files, the step before).
+features add (``register_source``), which the core asks what it needs to know of them (``SourceKind``).
 
 A source is described by metadata alone (file sizes, Parquet footers, the
 dataset's length), which is what planning needs. A generate job reads only
@@ -491,16 +491,32 @@ class Source(Protocol):
 
 @dataclass(frozen=True)
 class SourceKind:
-    """A source kind a feature adds (``openai_batch``: request files; ``steps``: the step before), known by
-    the name its manifest entry records: how a plan's entry is read back, and, for one that an input key
-    selects (``key``), how planning opens it, which local files it reads (``input_signature``) and the
-    request urls its rows may name (``served_urls``)."""
+    """A source kind a feature adds, known by the name its manifest entry records: how a plan's entry is
+    read back, and, for one that an input key selects (``key``), how planning opens it and which local
+    files it reads (``input_signature``). The core asks it the rest instead of naming the feature:
+
+    - ``row_check``: for a run's config, the check of each row before it becomes a request (raising the
+      row's ``RowError``: a request that is not valid, or for a url the run does not serve); None: none;
+    - ``drops_rows``: its rows may carry ``results.DROPPED``, why a row is not this run's (a row the run
+      before did not pass on): a job passes such a row by without an error, the merge leaves it out;
+    - ``read_at_preflight``: its rows exist when the preflight runs, which reads them (checked unchanged,
+      sampled); false for rows a run before this one makes after its preflight;
+    - ``ids_planned``: planning read every row's id (``input.id_column``) and refused a missing or
+      repeated one, so the preflight does not read them again (several rows of one request share it);
+    - ``rows_identity``: what identifies a plan's shard's rows (``identity.shard_fingerprint``), from the
+      source and the shard (``plan.Shard``), for an entry without ``files``; None: the entry's
+      ``fingerprint`` and the shard's bounds.
+    """
 
     from_manifest: Callable[[dict[str, Any]], Source]
     key: str | None = None
     open: Callable[[InputConfig, bool], Source] | None = None
     files: Callable[[InputConfig], list[str]] | None = None
-    urls: Callable[[RunConfig], tuple[str, ...]] | None = None
+    row_check: Callable[[RunConfig], Callable[[dict[str, Any]], None] | None] | None = None
+    drops_rows: bool = False
+    read_at_preflight: bool = True
+    ids_planned: bool = False
+    rows_identity: Callable[[Any, Any], Any] | None = None
 
 
 # The source kinds features add, by the name their manifest entries record (register_source).
@@ -516,11 +532,16 @@ def _selected(input_cfg: InputConfig) -> SourceKind | None:
     return next((k for k in KINDS.values() if k.key and getattr(input_cfg, k.key, None)), None)
 
 
-def served_urls(config: RunConfig) -> tuple[str, ...]:
-    """The request urls a run's rows may name (``feed.RowInputs``): those its input's kind serves
-    (``input.openai_batch``); none for an input whose rows are no requests."""
-    kind = _selected(config.input)
-    return kind.urls(config) if kind is not None and kind.urls is not None else ()
+def source_kind(name: str) -> SourceKind:
+    """What the core asks of a source of kind ``name`` (a ``Source``'s ``kind``, a manifest entry's): a
+    feature's registered kind, or the answers of the core's own (Parquet files, a Hugging Face dataset)."""
+    return KINDS.get(name) or _CORE_KIND
+
+
+def row_checks(config: RunConfig, kind: SourceKind) -> tuple[Callable[[dict[str, Any]], None], ...]:
+    """The checks of each row of a run of ``config`` over a source of ``kind`` (``feed.RowInputs``)."""
+    check = kind.row_check(config) if kind.row_check is not None else None
+    return (check,) if check is not None else ()
 
 
 def open_source(input_cfg: InputConfig, pairs: bool = False) -> Source:
@@ -537,7 +558,8 @@ def open_source(input_cfg: InputConfig, pairs: bool = False) -> Source:
         if not Path(path).is_dir():
             raise InputError(f"input.disk: no such directory: '{path}'")
         return HFSource.open("disk", {"path": path})
-    raise InputError("input: set one of input.parquet, input.openai_batch, input.hf or input.disk")
+    keys = ", ".join(f"input.{k}" for k in ("parquet", *(kind.key for kind in KINDS.values() if kind.key), "hf"))
+    raise InputError(f"input: set one of {keys} or input.disk")
 
 
 def input_signature(input_cfg: InputConfig) -> list[list[Any]]:
@@ -604,6 +626,10 @@ def source_from_manifest(entry: dict[str, Any]) -> Source:
     if entry["kind"] in KINDS:
         return KINDS[entry["kind"]].from_manifest(entry)
     return HFSource.from_manifest(entry)
+
+
+# The answers of the core's own kinds: every question's default.
+_CORE_KIND = SourceKind(source_from_manifest)
 
 
 def _schema_diff(a: pa.Schema, b: pa.Schema) -> str:

@@ -390,6 +390,11 @@ class StepSource:
             )
         return found
 
+    def rows_identity(self, shard: Any) -> dict[str, Any]:
+        """What identifies a shard's rows (``sources.SourceKind.rows_identity``): the fingerprints of the
+        committed shards of the step before that it reads, and its first row."""
+        return {"step": [self.file_fingerprint(s.file) for s in shard.segments], "start": shard.start}
+
     def check_unchanged(self, indexes: set[int] | None = None) -> None:
         """The earlier step's shards these segments read are committed with its configuration (not
         for the preflight, which runs before any of them)."""
@@ -607,4 +612,8 @@ cfg.register_run_mode("steps", step_configs, _warnings)
 plan.PLANNERS["step"] = step_manifest
 plan.INPUT_CHECKS.append(_check_input)
 plan.PLAN_CHECKS.append(_check_plan)
-sources.register_source(StepSource.kind, sources.SourceKind(StepSource.from_manifest))
+# Its rows carry `dropped` (drops_rows), exist only once the step before ran, after this step's preflight
+# (read_at_preflight), and are identified by that step's shards' fingerprints (rows_identity).
+sources.register_source(StepSource.kind, sources.SourceKind(
+    StepSource.from_manifest, drops_rows=True, read_at_preflight=False, rows_identity=StepSource.rows_identity,
+))  # fmt: skip

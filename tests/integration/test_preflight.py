@@ -101,6 +101,21 @@ def test_the_estimate_takes_each_rows_own_max_tokens_and_n_from_its_sampling_col
     assert estimate["output_tokens_at_most"] == 20 * 12 + 20 * 20 * 4 and "own max_tokens and n" in str(estimate)
 
 
+def test_the_sampled_rows_are_made_requests_as_a_job_makes_them(tmp_path, capsys, model_dir):
+    """The preflight makes its sample's requests with a job's own path (``feed.prepared_requests`` and
+    the run's task): a row asking for its own log-probabilities in a run whose labels take them is that
+    row's error in a job, and so in the sample."""
+    rows = make_rows(40)
+    for i, r in enumerate(rows):
+        r["sampling"] = json.dumps({"logprobs": 2}) if i == 3 else None
+    choice = {"temperature": 0.0, "max_tokens": 4, "structured_outputs": {"choice": ["yes", "no"]}}
+    rc, err = preflight(tmp_path, capsys, rows, sampling_column="sampling", output={"choice_probs": True},
+                        sampling=choice)  # fmt: skip
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert rc == 0 and report["sampled_errors"] == {"invalid_sampling": 1}, err
+    assert any("row 3: invalid_sampling: sampling.logprobs: output.choice_probs" in w for w in report["warnings"])
+
+
 def test_fp8_weights_on_the_cpu_build_are_refused_before_any_job(tmp_path, capsys, model_dir):
     rc, err = preflight(tmp_path, capsys, model={"quantization": "fp8"})
     assert rc == 2 and "model.quantization: 'fp8' needs a CUDA GPU" in err and "CPU build" in err

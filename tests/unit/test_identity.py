@@ -82,3 +82,27 @@ def test_a_shards_fingerprint_over_objects_holds_their_etag_and_over_local_files
     assert shard_fingerprint(config, one, one.shards[1]) == shard_fingerprint(config, two, two.shards[1])
     local = _manifest({"kind": "parquet", "files": [f | {"etag": None} for f in FILES]})  # as ParquetFileInfo
     assert shard_fingerprint(_config(), local, local.shards[0]) == "0aa007c5be3865b9"
+
+
+def test_a_shards_fingerprint_over_a_hugging_face_dataset_is_pinned():
+    config = _config(input={"hf": {"path": "my-org/data", "split": "train"}})
+    manifest = _manifest({"kind": "hf", "args": {"path": "my-org/data", "split": "train"}, "fingerprint": "f00d",
+                          "rows": 20})  # fmt: skip
+    assert shard_fingerprint(config, manifest, manifest.shards[1]) == "325332412b85dd6b"
+
+
+def test_a_later_steps_shard_fingerprint_over_the_step_befores_shards_is_pinned(monkeypatch):
+    """A later step's shard is identified by the fingerprints of the step before's shards it reads
+    (here stood in for: those need committed files) and its first row."""
+    import base64
+
+    import pyarrow as pa
+
+    monkeypatch.setattr(steps.StepSource, "file_fingerprint", lambda self, index: f"before-{index}")
+    schema = base64.b64encode(pa.schema([("topic", pa.string()), ("dropped", pa.string())]).serialize()).decode()
+    step = {"name": "draft", "dir": "/runs/draft", "fingerprint": "d1", "group": 1}
+    source = {"kind": "step", "step": step, "shards": [["00000", 10], ["00001", 10]], "names": {"topic": "topic"},
+              "fingerprint": "d1", "schema": schema}  # fmt: skip
+    manifest = _manifest(source)
+    config = _config(input={"step": step}, prompt={"template": "{{ topic }}"})
+    assert shard_fingerprint(config, manifest, manifest.shards[0]) == "bae4549e00d0e414"

@@ -243,7 +243,7 @@ def test_a_batch_file_that_cannot_be_served_is_refused_when_planning_naming_file
 def test_a_request_that_is_not_valid_becomes_that_rows_error_naming_the_field():
     from shardgen.errors import RowError
     from shardgen.feed import RowInputs
-    from shardgen.openai_batch import request_row
+    from shardgen.openai_batch import OpenAIBatchSource, request_row
 
     def row(r: dict) -> dict:
         return request_row(json.dumps(r).encode())
@@ -258,7 +258,7 @@ def test_a_request_that_is_not_valid_becomes_that_rows_error_naming_the_field():
     assert row(request(0, url="/v1/responses"))["request_error"].startswith("url: '/v1/responses' is none of")
     embedding = {"custom_id": "e", "url": "/v1/embeddings", "body": {"input": "text", "dimensions": 8}}
     assert row(embedding)["request_error"] == "body.dimensions: not served for embeddings (it would change the result)"
-    chat = RowInputs(urls=("/v1/chat/completions",))
+    chat = RowInputs.for_run(batch_config(["x.jsonl"]), OpenAIBatchSource([]))  # serves /v1/chat/completions
     chat.check(row(request(0)))
     with pytest.raises(RowError, match="invalid_request: url: '/v1/embeddings', but this run serves /v1/chat"):
         chat.check(row({**embedding, "body": {"input": "text"}}))
@@ -465,7 +465,7 @@ def test_any_json_in_any_field_is_refused_naming_file_and_line_or_a_row_whose_re
     request's fields hold: never a read that fails the shard on every attempt."""
     from shardgen.errors import InputError, RowError
     from shardgen.feed import RowInputs
-    from shardgen.openai_batch import request_rows, result_line, served_urls
+    from shardgen.openai_batch import request_rows, result_line
     from shardgen.plan import Manifest, build_manifest
     from shardgen.prompts import PromptRenderer
 
@@ -494,7 +494,7 @@ def test_any_json_in_any_field_is_refused_naming_file_and_line_or_a_row_whose_re
     rows = [r for s in manifest.shards for b in source.read(s.segments, batch_rows=2) for r in b.to_pylist()]
     assert [r["custom_id"] for r in rows] == [c for c, n in planned for _ in range(n)], "each line's rows once"
     event(f"{kind}: read")
-    inputs = RowInputs(urls=served_urls(config))
+    inputs = RowInputs.for_run(config, source)  # what a job checks of each row: its source's checks
     task = config.kind(config, None) if config.kind.generates else None
     for index, (row, prompt) in enumerate(zip(rows, PromptRenderer.from_config(config.prompt).render_batch(rows),
                                               strict=True)):  # fmt: skip
@@ -602,17 +602,18 @@ def test_the_score_fields_are_those_of_vllms_score_and_rerank_requests():
 def test_a_score_run_serves_score_and_rerank_urls_and_refuses_the_others_as_its_rows_errors():
     from shardgen.errors import RowError
     from shardgen.feed import RowInputs
-    from shardgen.openai_batch import request_rows, served_urls
+    from shardgen.openai_batch import OpenAIBatchSource, request_rows, served_urls
 
     config = score_config(["x.jsonl"])
-    inputs = RowInputs(urls=served_urls(config))
-    assert inputs.urls == ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+    source = OpenAIBatchSource([], pairs=True)
+    inputs = RowInputs.for_run(config, source)
+    assert served_urls(config) == ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
     (chat,) = request_rows(json.dumps(request(0)).encode(), pairs=True)
     with pytest.raises(RowError, match="invalid_request: url: '/v1/chat/completions', but this run serves /score, "):
         inputs.check(chat)
     (score,) = request_rows(json.dumps(score_request(0, text_1="a", text_2="b")).encode())  # in a generate run
     with pytest.raises(RowError, match="url: '/score', but this run serves /v1/chat/completions$"):
-        RowInputs(urls=served_urls(batch_config(["x.jsonl"]))).check(score)
+        RowInputs.for_run(batch_config(["x.jsonl"]), OpenAIBatchSource([])).check(score)
     for said, extra in [("prompt.pair_template: the requests", {"prompt": {"pair_template": "{{ b }}"}}),
                         ("input.openai_batch is for task generate, embed, score, not classify",
                          {"task": "classify"})]:  # fmt: skip

@@ -173,3 +173,55 @@ def test_a_glob_that_reaches_a_file_twice_lists_it_once(tmp_path):
     got = expand_patterns([str(tmp_path / "data/**/**/*.parquet")], "input.parquet")
     assert [os.path.relpath(p, tmp_path) for p in got] == [
         "data/a.parquet", "data/sub/b.parquet", "data/sub/deeper/c.parquet"]  # fmt: skip
+
+
+# -- What the core asks of a source kind (sources.SourceKind) ----------------------------------------------
+
+
+def test_a_source_kinds_row_checks_and_dropped_rows_reach_the_feed_which_names_neither(monkeypatch):
+    """The feed asks the source's kind for the checks of each row (a row they refuse is that row's
+    error) and whether a row may be one it drops (``dropped`` set: passed by, no request); the core's
+    own kinds have neither, so a Parquet column named ``dropped`` is just a column."""
+    from types import SimpleNamespace
+
+    from shardgen import sources
+    from shardgen.errors import RowError
+    from shardgen.feed import RowInputs, prepared_requests
+
+    def row_check(config):
+        def check(row):
+            if row.get("bad"):
+                raise RowError("refused_by_source", f"{config.task} refuses it")
+
+        return check
+
+    probe = sources.SourceKind(lambda entry: None, row_check=row_check, drops_rows=True)
+    monkeypatch.setitem(sources.KINDS, "probe", probe)
+    config = base_config({"parquet": ["x.parquet"]})
+    rows = [{"p": "a"}, {"p": "b", "bad": True}, {"p": "c", "dropped": "not passed on"}, {"p": "d"}]
+    renderer = SimpleNamespace(render_batch=lambda rows: [r["p"] for r in rows])
+    tokenizer = SimpleNamespace(encode_batch=lambda prompts: [[ord(p)] for p in prompts])
+    task = SimpleNamespace(params=lambda index, row: None)
+
+    def feed(kind: str) -> tuple[list[int], list[tuple[int, str]]]:
+        errors: list[tuple[int, str]] = []
+        inputs = RowInputs.for_run(config, SimpleNamespace(kind=kind))
+        requests = prepared_requests(
+            iter(enumerate(rows)), renderer, tokenizer, task, lambda i, row, e: errors.append((i, str(e))), None, inputs
+        )
+        return [r.key for r in requests], errors
+
+    assert feed("probe") == ([0, 3], [(1, "refused_by_source: generate refuses it"), (2, "dropped: not passed on")])
+    assert feed("parquet") == ([0, 1, 2, 3], [])
+    assert sources.source_kind("parquet").read_at_preflight and not sources.source_kind("hf").ids_planned
+
+
+def test_the_features_source_kinds_answer_for_their_rows():
+    """A batch file's rows are requests checked as such, whose ids planning read; the step before's
+    rows may be dropped ones, do not exist at the preflight, and are identified by its shards."""
+    from shardgen import sources
+
+    batch, step = sources.source_kind("openai_batch"), sources.source_kind("step")
+    assert batch.row_check is not None and batch.ids_planned and batch.read_at_preflight and not batch.drops_rows
+    assert step.drops_rows and not step.read_at_preflight and step.rows_identity is not None
+    assert step.row_check is None and not step.ids_planned

@@ -240,3 +240,19 @@ def test_timing_tells_how_long_a_step_ran_alongside_the_one_before_and_waited_fo
     first, second = steps.timing([draft, judge], ["0", "1"])
     assert first == {"span_s": 120.0, "overlap_with_step_before_s": None, "start_after_input_p50_s": None}
     assert second == {"span_s": 80.0, "overlap_with_step_before_s": 50.0, "start_after_input_p50_s": 15.0}
+
+
+def test_a_later_steps_preflight_reads_none_of_its_rows_which_the_step_before_makes_later(chain, tmp_path, model_dir):
+    """Every step's preflight runs before the step before has committed a shard: the judge's reads none
+    of its rows (its source's kind says they are not there to read), and passes on what it can check."""
+    from shardgen import preflight
+    from shardgen.plan import write_manifest
+
+    chain["steps"][1] = {"name": "judge", "prompt": {"template": "Is this about {{ topic }}? {{ draft_generation }}"}}
+    draft, judge = (cfg.RunConfig.from_dict(c) for c in steps.step_configs(cfg.validate(chain)))
+    cfg.write_resolved(draft.raw, draft.output.dir)
+    write_manifest(draft, tmp_path / "out" / "steps" / "draft" / "plan" / "manifest.json")
+    write_manifest(judge, tmp_path / "judge.json")
+    report = preflight.run(judge, tmp_path / "judge.json", {"path": str(model_dir)})
+    assert report["ok"] and report["sampled_rows"] == 0 and report["sampled_errors"] == {}
+    assert report["estimate"]["rows"] == 4 * 30, "each of the 30 input rows' 4 samples"
