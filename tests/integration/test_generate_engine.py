@@ -1,4 +1,5 @@
-"""A shard job on the real vLLM engine (CPU build), in process, sharing one engine."""
+"""A shard job in process: on the real vLLM engine (CPU build, one shared by the tests), and on the fake
+engine (``fake``) where what is tested is the job's own (signals, saves, resumes, retries)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from shardgen import engine as eng
 from shardgen.engine import Engine
 from shardgen.errors import InputError
+from shardgen.fake_engine import FakeEngine
 from shardgen.feed import TooManyErrors
 from shardgen.generate import JobContext, run_shard
 from shardgen.outputs import ShardCheckpoint
@@ -24,7 +26,13 @@ from shardgen.stopflag import Interrupted
 from tests.conftest import base_config, changed, make_rows, write_parquet
 from tests.integration.workflow import part_rows
 
-pytestmark = pytest.mark.engine
+FAKE = {"kind": "fake"}
+
+
+@pytest.fixture
+def fake():
+    """A job's handle on the fake engine (``engine.kind: fake``, which the configs of the tests using it set)."""
+    return FakeEngine()
 
 
 def plan(tmp_path, rows, **overrides):
@@ -41,6 +49,7 @@ def run(tmp_path, config, manifest, shard, engine, window=None):
     return pq.read_table(out), json.loads(stats.read_text())
 
 
+@pytest.mark.engine
 def test_every_row_of_a_shard_gets_a_generation_and_the_stats_match_the_rows(tmp_path, engine):
     config, manifest = plan(tmp_path, make_rows(20))
     table, stats = run(tmp_path, config, manifest, "00001", engine)
@@ -63,6 +72,7 @@ def test_every_row_of_a_shard_gets_a_generation_and_the_stats_match_the_rows(tmp
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
 
 
+@pytest.mark.engine
 def test_bad_rows_of_every_kind_are_row_errors_and_the_shard_goes_on(tmp_path, engine):
     rows = [{"text": f"Say hello to {i}.", "raw": b"", "n": 1} for i in range(9)]
     rows[1]["text"] = "very long " * 2000  # far beyond max_model_len (1024)
@@ -95,6 +105,7 @@ def test_bad_rows_of_every_kind_are_row_errors_and_the_shard_goes_on(tmp_path, e
     }
 
 
+@pytest.mark.engine
 def test_a_gigabyte_cell_is_a_prompt_too_long_row_error_without_being_tokenized(tmp_path, engine, monkeypatch):
     """A 1 GiB cell would be about 350 million token ids: it must never reach the tokenizer."""
     rows = make_rows(4)
@@ -134,10 +145,9 @@ def stop_after_first_flush(monkeypatch) -> list[int]:
 
 
 def partial_run(tmp_path, engine, monkeypatch, **overrides) -> tuple[dict, object, int]:
-    """Plan 16 rows in one shard and stop its job after some rows are saved."""
-    config, manifest = plan(
-        tmp_path, make_rows(16), shards={"rows_per_shard": 16}, checkpoint={"rows": 3, "seconds": 300}, **overrides
-    )
+    """Plan 16 rows in one shard and stop its job after some rows are saved (on the fake engine)."""
+    config, manifest = plan(tmp_path, make_rows(16), shards={"rows_per_shard": 16},
+                            checkpoint={"rows": 3, "seconds": 300}, engine=FAKE, **overrides)  # fmt: skip
     with monkeypatch.context() as m:
         flushed = stop_after_first_flush(m)
         # Two requests in flight at a time, so rows finish over many engine
@@ -153,14 +163,13 @@ def partial_run(tmp_path, engine, monkeypatch, **overrides) -> tuple[dict, objec
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_saves_exactly_the_rows_finished_before_it_and_the_next_attempt_sends_only_the_rest(
-    tmp_path, engine, monkeypatch, signum
+    tmp_path, fake, monkeypatch, signum
 ):
     """Periodic saves are far above the shard's size: the only save is the one the signal makes."""
-    rows = 16
-    config, manifest = plan(
-        tmp_path, make_rows(rows), shards={"rows_per_shard": rows}, checkpoint={"rows": 10_000, "seconds": 3600}
-    )
-    core = engine.llm.llm_engine
+    rows, engine = 16, fake
+    config, manifest = plan(tmp_path, make_rows(rows), shards={"rows_per_shard": rows},
+                            checkpoint={"rows": 10_000, "seconds": 3600}, engine=FAKE)  # fmt: skip
+    core = engine
     finished = {"before_signal": 0, "all": 0}
     real_step = core.step
 
@@ -201,11 +210,11 @@ def test_a_signal_saves_exactly_the_rows_finished_before_it_and_the_next_attempt
     assert not (tmp_path / "out" / "checkpoints" / "00000").exists()
 
 
-def test_the_time_trigger_saves_rows_without_the_row_trigger(tmp_path, engine, monkeypatch):
+def test_the_time_trigger_saves_rows_without_the_row_trigger(tmp_path, fake, monkeypatch):
     """checkpoint.seconds alone makes saves while the shard runs (the row trigger is out of reach)."""
-    config, manifest = plan(
-        tmp_path, make_rows(16), shards={"rows_per_shard": 16}, checkpoint={"rows": 10_000, "seconds": 0.001}
-    )
+    engine = fake
+    config, manifest = plan(tmp_path, make_rows(16), shards={"rows_per_shard": 16},
+                            checkpoint={"rows": 10_000, "seconds": 0.001}, engine=FAKE)  # fmt: skip
     saves = []
     real_flush = ShardCheckpoint.flush
 
@@ -220,7 +229,8 @@ def test_the_time_trigger_saves_rows_without_the_row_trigger(tmp_path, engine, m
     assert len(saves) >= 4 and sum(saves) == 16, saves
 
 
-def test_a_truncated_part_is_detected_and_its_rows_generated_again(tmp_path, engine, monkeypatch):
+def test_a_truncated_part_is_detected_and_its_rows_generated_again(tmp_path, fake, monkeypatch):
+    engine = fake
     config, manifest, saved = partial_run(tmp_path, engine, monkeypatch)
     parts = sorted((tmp_path / "out" / "checkpoints" / "00000").glob("part-*.parquet"))
     lost = pq.read_metadata(parts[-1]).num_rows
@@ -231,7 +241,8 @@ def test_a_truncated_part_is_detected_and_its_rows_generated_again(tmp_path, eng
     assert len(stats["checkpoints_discarded"]) == 1 and "unreadable" in stats["checkpoints_discarded"][0]
 
 
-def test_checkpoints_of_a_changed_sampling_key_are_not_reused(tmp_path, engine, monkeypatch):
+def test_checkpoints_of_a_changed_sampling_key_are_not_reused(tmp_path, fake, monkeypatch):
+    engine = fake
     config, manifest, saved = partial_run(tmp_path, engine, monkeypatch)
     assert saved > 0
     config = changed(config, "sampling", max_tokens=10)  # was 12
@@ -241,6 +252,7 @@ def test_checkpoints_of_a_changed_sampling_key_are_not_reused(tmp_path, engine, 
     assert max(table.column("generated_tokens").to_pylist()) <= 10
 
 
+@pytest.mark.engine
 def test_thread_variables_from_snakemake_are_dropped_before_the_engine_starts(tmp_path, engine, monkeypatch):
     from shardgen import jobenv
 
@@ -252,13 +264,12 @@ def test_thread_variables_from_snakemake_are_dropped_before_the_engine_starts(tm
     assert "OMP_NUM_THREADS" not in os.environ
 
 
-def test_a_shard_over_the_error_rate_fails_keeping_its_rows_and_its_retry_fails_before_the_engine(tmp_path, engine):
-    rows = make_rows(16)
+def test_a_shard_over_the_error_rate_fails_keeping_its_rows_and_its_retry_fails_before_the_engine(tmp_path, fake):
+    rows, engine = make_rows(16), fake
     for r in rows[4:]:
         r["topic"] = None  # 12 of 16 rows are errors; errors.max_rate 0.25 allows 4
-    config, manifest = plan(
-        tmp_path, rows, shards={"rows_per_shard": 16}, errors={"max_rate": 0.25}, checkpoint={"rows": 2, "seconds": 300}
-    )
+    config, manifest = plan(tmp_path, rows, shards={"rows_per_shard": 16}, errors={"max_rate": 0.25},
+                            checkpoint={"rows": 2, "seconds": 300}, engine=FAKE)  # fmt: skip
     out, stats = tmp_path / "s.parquet", tmp_path / "s.json"
     with pytest.raises(TooManyErrors, match=r"shard 00000: 5 of its 16 rows are errors.*\(4\).*null_value 5"):
         run_shard(config, manifest, "00000", out, stats, JobContext(engine))
@@ -278,6 +289,7 @@ def test_an_input_changed_after_planning_is_refused_before_the_engine_starts(tmp
         )
 
 
+@pytest.mark.engine
 def test_the_engine_listens_on_no_port_other_machines_can_reach(engine):
     import ipaddress
 
@@ -293,10 +305,11 @@ def test_the_engine_listens_on_no_port_other_machines_can_reach(engine):
     assert listening == [], "the engine's own sockets must stay on the loopback interface"
 
 
-def test_several_shards_in_one_job_share_the_engine_and_a_retry_keeps_the_committed_ones(tmp_path, engine):
+def test_several_shards_in_one_job_share_the_engine_and_a_retry_keeps_the_committed_ones(tmp_path, fake):
     from shardgen.workers import run_shards
 
-    config, manifest = plan(tmp_path, make_rows(20))  # shards of 8: 00000, 00001, 00002
+    engine = fake
+    config, manifest = plan(tmp_path, make_rows(20), engine=FAKE)  # shards of 8: 00000, 00001, 00002
     shard_dir = RunDir(config.output.dir).shards
     shard_dir.mkdir(parents=True)
     run_shard(
@@ -312,24 +325,24 @@ def test_several_shards_in_one_job_share_the_engine_and_a_retry_keeps_the_commit
     config = changed(config, "sampling", max_tokens=6)
     done = run_shards(config, manifest, ["00000"], JobContext(engine=engine))
     assert [s["shard"] for s in done] == ["00000"]
-    assert engine.llm.llm_engine.get_num_unfinished_requests() == 0, "the shared engine is still there, idle"
+    assert engine.running and not engine._queue and engine.starts == 1, "the shared engine is still there, idle"
 
 
 def test_out_of_memory_while_generating_keeps_the_finished_rows_and_the_retry_halves_the_batch_the_engine_used(
-    tmp_path, engine, monkeypatch
+    tmp_path, fake, monkeypatch
 ):
-    """CUDA out of memory cannot happen on the CPU build: vLLM's message is raised from a step, as on a GPU."""
+    """CUDA's out-of-memory message raised from a step (the fake engine's), as on a GPU."""
     from shardgen.memory import OutOfMemory
 
-    config, manifest = plan(
-        tmp_path, make_rows(16), shards={"rows_per_shard": 16}, checkpoint={"rows": 10_000, "seconds": 3600}
-    )
-    core = engine.llm.llm_engine
+    engine = fake
+    config, manifest = plan(tmp_path, make_rows(16), shards={"rows_per_shard": 16},
+                            checkpoint={"rows": 10_000, "seconds": 3600}, engine=FAKE)  # fmt: skip
+    core = engine
     real_step, steps = core.step, []
 
     def step():
         steps.append(1)
-        if len(steps) == 30:  # a request takes about 13 steps: some have finished
+        if len(steps) == 4:  # two requests a step: some have finished
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79 GiB")
         return real_step()
 
@@ -339,10 +352,10 @@ def test_out_of_memory_while_generating_keeps_the_finished_rows_and_the_retry_ha
             run_shard(
                 config, manifest, "00000", tmp_path / "s.parquet", tmp_path / "s.json", JobContext(engine, window=2)
             )
-    assert engine.llm.llm_engine.get_num_unfinished_requests() == 0, "the failed feed's requests were aborted"
+    assert not engine._queue, "the failed feed's requests were aborted"
     saved = part_rows(tmp_path / "out" / "checkpoints" / "00000")
     assert saved > 0, "rows finished before the failure are saved"
-    used = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    used = engine.max_num_seqs
     table, stats = run(tmp_path, config, manifest, "00000", engine)
     assert table.column("row_index").to_pylist() == list(range(16)) and stats["rows_resumed"] == saved
     (failure,) = stats["memory_failures"]
@@ -352,6 +365,7 @@ def test_out_of_memory_while_generating_keeps_the_finished_rows_and_the_retry_ha
     assert stats["attempts"][0]["outcome"] == "out_of_memory"
 
 
+@pytest.mark.engine
 def test_a_job_on_gpus_it_cannot_use_stops_before_the_model_loads(tmp_path, model_dir, monkeypatch):
     """On the CUDA build, a job that got one GPU for a tensor-parallel 2 model: stopped with both named,
     before the engine (which would load the weights) is created."""
@@ -369,6 +383,7 @@ def test_a_job_on_gpus_it_cannot_use_stops_before_the_model_loads(tmp_path, mode
     assert [json.loads(line).get("outcome") for line in log] == [None, "wrong_gpus"]
 
 
+@pytest.mark.engine
 def test_a_signal_during_the_engine_start_abandons_the_start_and_records_the_attempt(tmp_path, model_dir, monkeypatch):
     """Slurm kills a job KillWait seconds (30 by default) after its SIGTERM, and a model's start takes
     minutes on a GPU: the start is abandoned at the signal, vLLM's client stops the processes it
@@ -407,6 +422,7 @@ def test_a_signal_during_the_engine_start_abandons_the_start_and_records_the_att
     assert not [c for c in alive if "resource_tracker" not in c], f"processes outlived the abandoned start: {alive}"
 
 
+@pytest.mark.engine
 def test_a_signal_before_the_engine_start_stops_the_job_without_starting_it(tmp_path, model_dir, monkeypatch):
     from shardgen.engine import EngineSettings
 
@@ -425,6 +441,7 @@ def test_a_signal_before_the_engine_start_stops_the_job_without_starting_it(tmp_
     assert [json.loads(line).get("outcome") for line in log] == [None, "interrupted"]
 
 
+@pytest.mark.engine
 def test_an_engine_core_killed_mid_shard_fails_the_attempt_at_once_and_keeps_its_saved_rows(
     tmp_path, model_dir, monkeypatch
 ):
@@ -466,6 +483,7 @@ def test_an_engine_core_killed_mid_shard_fails_the_attempt_at_once_and_keeps_its
     assert part_rows(tmp_path / "out" / "checkpoints" / "00000") == end["rows_saved"]
 
 
+@pytest.mark.engine
 def test_a_run_directory_written_by_the_real_writers_reads_back_alike_in_status_merge_and_the_report(
     tmp_path, engine, monkeypatch
 ):
@@ -540,6 +558,7 @@ def test_a_run_directory_written_by_the_real_writers_reads_back_alike_in_status_
     assert "GPU-hours billed at 3 USD each" in (run_dir.plots / "totals.html").read_text()
 
 
+@pytest.mark.engine
 def test_a_chain_whose_first_step_drops_rows_and_second_samples_several_counts_each_figure_once(tmp_path, engine):
     """Two generate steps on the session engine, run by the real writers (plan, shard jobs, merge,
     the select): the draft samples 2 per row, one row is an error and its keep_if passes on sample 0
