@@ -644,6 +644,7 @@ class PoolingConfig:
 class EngineConfig:
     kind: str = "vllm"
     fake: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    server: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -439,7 +439,11 @@ class Feeder:
                 for out in outputs:
                     if out.finished and out.request_id in in_flight:
                         req = in_flight.pop(out.request_id)
-                        c = _completion(req, out, now)
+                        if (refused := getattr(out, "error", None)) is not None:  # an engine that answers later
+                            error = RowError("rejected_by_engine", refused)
+                            c = Completion(req.key, req.row, None, len(req.prompt_token_ids), 0, None, None, error)
+                        else:
+                            c = _completion(req, out, now)
                         if turns is None or (c := turns.ended(req, c)) is not None:  # type: ignore[assignment]
                             yield c
         finally:

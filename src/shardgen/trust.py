@@ -29,8 +29,9 @@ _SECRET_KEY = re.compile(
     r"|client-(key|certificate)-data",
     re.IGNORECASE,
 )
-# vLLM's own names that the pattern above misreads as credentials.
-NOT_SECRET_KEYS = frozenset({"thinking_token_budget"})
+# Names that the pattern above misreads as credentials: vLLM's own, and the name of the environment
+# variable that holds a server's key (engine.server.api_key_env; the schema allows only a variable's name).
+NOT_SECRET_KEYS = frozenset({"thinking_token_budget", "api_key_env"})
 # Values that look like a credential, at any depth.
 CREDENTIAL_PATTERNS = {
     "a Hugging Face token": re.compile(r"\bhf_[A-Za-z0-9]{30,}"),
