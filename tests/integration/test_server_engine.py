@@ -20,7 +20,7 @@ from tests.conftest import base_config, make_rows, write_parquet
 pytestmark = pytest.mark.engine
 
 ROWS = 12
-TOO_LONG = 3  # its own max_tokens is more than the context: the engine refuses it (vLLM's own check)
+TOO_LONG = 3  # its own max_tokens is more than the context: the server refuses it (vLLM's own check)
 
 
 def shard(tmp_path, name: str, engine_handle, **engine_section):
@@ -54,11 +54,12 @@ def test_a_vllm_server_the_job_starts_gives_the_in_process_generations_and_liste
         assert sockets and all(ipaddress.ip_address(ip).is_loopback for _, ip in sockets), sockets
 
         assert [r["row_index"] for r in served] == list(range(ROWS)), "every row once"
+        # vLLM's server checks a request's max_tokens against the context (its offline engine does not)
         assert served[TOO_LONG]["error"].startswith("rejected_by_engine: ") and "5000" in served[TOO_LONG]["error"]
-        assert in_process[TOO_LONG]["error"].startswith("rejected_by_engine: "), "refused in process alike"
-        pairs = [(a["generation"], b["generation"]) for a, b in zip(in_process, served, strict=True)]
-        assert all(a == b for a, b in pairs[:TOO_LONG] + pairs[TOO_LONG + 1 :]), pairs
-        assert [r["generated_tokens"] for r in served] == [r["generated_tokens"] for r in in_process]
+        others = [i for i in range(ROWS) if i != TOO_LONG]
+        assert [served[i]["generation"] for i in others] == [in_process[i]["generation"] for i in others]
+        assert [served[i]["generated_tokens"] for i in others] == [in_process[i]["generated_tokens"] for i in others]
+        assert all(served[i]["error"] is None and served[i]["finish_reason"] for i in others)
         assert stats["rows_generated"] == ROWS and stats["errors"] == 1
 
         # a running server, by its URL: the key from the environment; a wrong one is named at once
