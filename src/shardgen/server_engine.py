@@ -83,7 +83,8 @@ def _vllm(model: Mapping[str, Any], port: int) -> list[str]:
     """vLLM's OpenAI-compatible server (``vllm serve``; the module, which the CPU build's ``vllm`` command
     cannot run: its CLI reads the ``vllm`` distribution's metadata) with every engine argument of the
     config (vllm/engine/arg_utils.py: each ``EngineArgs`` field is a flag), the key from ``VLLM_API_KEY``."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", HOST, "--port", str(port)]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", HOST, "--port", str(port),
+           "--disable-uvicorn-access-log"]  # a line per request would fill the shard's log  # fmt: skip
     for name, value in model.items():
         if name in ("disable_log_stats",):
             continue

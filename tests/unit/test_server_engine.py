@@ -32,6 +32,7 @@ def test_the_vllm_preset_runs_vllms_server_module_on_loopback_with_every_engine_
     assert after(cmd, "--tensor-parallel-size") == "2" and after(cmd, "--max-num-seqs") == "32"
     assert after(cmd, "--kv-cache-memory-bytes") == str(128 * 2**20) and after(cmd, "--dtype") == "float32"
     assert "--enforce-eager" in cmd and "--no-enable-chunked-prefill" in cmd, "booleans as vLLM's CLI spells them"
+    assert "--disable-uvicorn-access-log" in cmd, "no log line per request"
     assert "KEY" not in " ".join(cmd), "the key goes in the server's environment (VLLM_API_KEY), not its argv"
 
 
