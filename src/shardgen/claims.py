@@ -69,6 +69,8 @@ FAILED = ".failed"
 BEATS_PER_LEASE = 5
 # Longest sleep between looks at a silent claim, while waiting for its lease to run out.
 MAX_WAIT_S = 30.0
+# Looks per heartbeat at the claims a worker with nothing left watches (``ClaimBoard.watch``).
+WATCH_LOOKS_PER_BEAT = 10
 
 
 class ClaimLost(ShardgenError):
@@ -317,10 +319,11 @@ class ClaimBoard:
         first, then the pieces splits made: a function, asked on every look);
         claims whose heartbeat is older than the lease (not marked
         failed), oldest first. When only other workers' claims are left, it
-        watches them for one and a half heartbeats: a claim that was not
-        renewed meanwhile belongs to a worker that stopped, and this worker
-        waits out its lease and takes it over, rather than leave the shard to
-        a retry that may queue for hours; when every claim was renewed, it ends.
+        watches them for up to one and a half heartbeats (``watch``): a claim
+        that was not renewed meanwhile belongs to a worker that stopped, and
+        this worker waits out its lease and takes it over, rather than leave
+        the shard to a retry that may queue for hours; once every claim was
+        renewed or released, it looks again, and ends when nothing is left.
         Before watching, it asks ``steal`` (with the shards the others hold) for
         a split of one of them (``splits.Thief``): a split, or a holder's answer
         that it has none to give, and it looks again.
@@ -384,9 +387,27 @@ class ClaimBoard:
                 continue  # a holder answered (a split, or not): look again
             elif unknown:
                 watched.update((s.name, s.mtime) for s in unknown)
-                self._sleep(1.5 * self.heartbeat_s)
+                self.watch(unknown)
             else:
                 return None
+
+    def watch(self, claims: list[Seen]) -> None:
+        """Sleep while ``claims`` are watched: one and a half heartbeats, or less once each of them was
+        renewed (its holder is alive) or released (its shard done, or given up). A look is one stat per
+        watched claim, ``WATCH_LOOKS_PER_BEAT`` a heartbeat: a worker that finished waits for the last
+        shards' commits, not for a fixed time with its GPUs idle."""
+        pending = {s.name: s.mtime for s in claims}
+        left, step = 1.5 * self.heartbeat_s, self.heartbeat_s / WATCH_LOOKS_PER_BEAT
+        while pending and left > 0:
+            self._sleep(min(step, left))
+            left -= step
+            for name, mtime in list(pending.items()):
+                try:
+                    if self.dir.mtime(name) <= mtime:
+                        continue
+                except FileNotFoundError:
+                    pass
+                del pending[name]
 
     def _unplanned(self, seen: Seen, record: dict[str, Any] | None, age: float, left: set[str]) -> None:
         """A claim on a shard or piece the plan does not hold: a stopped run's, planned again since. Nobody

@@ -243,7 +243,7 @@ def test_a_worker_with_nothing_left_watches_fresh_claims_and_takes_over_one_that
     board(tmp_path, 0, lease=100).next(["00000"], never_done)
     taken = board(tmp_path, 1, lease=100, sleep=sleep).next(["00000"], never_done)
     assert taken.generation == 2
-    assert slept[0] == 30  # 1.5 heartbeats of 20 s
+    assert slept[:15] == [2] * 15  # watched for 1.5 heartbeats of 20 s, looking 10 times a heartbeat
 
 
 def test_a_worker_with_nothing_left_ends_once_every_other_claim_was_renewed(tmp_path):
@@ -256,7 +256,25 @@ def test_a_worker_with_nothing_left_ends_once_every_other_claim_was_renewed(tmp_
         os.utime(path, (path.stat().st_mtime + 1, path.stat().st_mtime + 1))
 
     assert board(tmp_path, 1, lease=100, sleep=sleep).next(["00000"], never_done) is None
-    assert slept == [30]
+    assert slept == [2], "the watch ends at the first look that finds the claim renewed"
+
+
+def test_a_worker_with_nothing_left_ends_once_the_claim_it_watches_is_released(tmp_path):
+    """The last shard's holder commits it and releases its claim while an idle worker watches: the idle
+    worker ends at its next look, not one and a half heartbeats later with its GPUs idle."""
+    claim = board(tmp_path, 0, lease=100).next(["00000"], never_done)
+    slept = []
+
+    committed = set()
+
+    def sleep(seconds):
+        slept.append(seconds)
+        if len(slept) == 3:
+            committed.add(claim.shard)
+            claim.release()
+
+    assert board(tmp_path, 1, lease=100, sleep=sleep).next(["00000"], committed.__contains__) is None
+    assert slept == [2, 2, 2]
 
 
 def test_a_claim_on_work_the_plan_does_not_hold_is_released_once_its_holder_is_gone_and_a_live_ones_left(
