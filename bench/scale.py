@@ -61,8 +61,9 @@ from shardgen.engine import engine_kwargs  # noqa: E402
 from shardgen.identity import shard_fingerprint  # noqa: E402
 from shardgen.io import atomic_write_text  # noqa: E402
 from shardgen.jobinfo import scontrol_jobs  # noqa: E402
+from shardgen.manifest import Manifest, work_order  # noqa: E402
 from shardgen.outputs import write_table  # noqa: E402
-from shardgen.plan import Manifest, write_manifest  # noqa: E402
+from shardgen.plan import write_manifest  # noqa: E402
 from shardgen.results import ResultSpec  # noqa: E402
 from shardgen.stats import AttemptCounters, shard_stats  # noqa: E402
 
@@ -221,7 +222,7 @@ def fresh_dir(path: Path) -> Path:
 
 HOLD_MANIFEST = r"""
 import sys
-from shardgen.plan import Manifest
+from shardgen.manifest import Manifest
 m = Manifest.load(sys.argv[1]) if len(sys.argv) > 1 else None
 """
 
@@ -859,10 +860,10 @@ def read_ahead(c: Cluster, rows_left: float, rows_per_s: float) -> float:
 
 ORDERS = {  # name: (tail cut by the plan, order the workers take shards in, idle workers split: prompt.order)
     "plan order": (False, lambda m: [s.id for s in m.shards], None),
-    "longest first": (False, plan.work_order, None),
-    "longest first + tail": (True, plan.work_order, None),
-    "longest first + tail + split, order input": (True, plan.work_order, "input"),
-    "longest first + tail + split, order prefix": (True, plan.work_order, "prefix"),
+    "longest first": (False, work_order, None),
+    "longest first + tail": (True, work_order, None),
+    "longest first + tail + split, order input": (True, work_order, "input"),
+    "longest first + tail + split, order prefix": (True, work_order, "prefix"),
 }
 
 
@@ -874,7 +875,7 @@ def defaults(c: Cluster) -> tuple[Cluster, tuple[bool, Any, str | None]]:
     s = run.shards
     assert s.rows_per_shard == c.rows_per_shard and s.balance == "rows", "the simulated plan is the default one"
     split = run.prompt.order if s.split_seconds > 0 else None
-    return replace(c, split_seconds=s.split_seconds), (s.tail == "guided", plan.work_order, split)
+    return replace(c, split_seconds=s.split_seconds), (s.tail == "guided", work_order, split)
 
 
 def simulate_end(c: Cluster, estimate: str) -> dict[str, Any]:
@@ -930,7 +931,7 @@ def step_simulate(work_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
             end.append(simulate_end(Cluster(shards=shards, gpus=gpus, sigma=sigma), estimate))
     return {
         "what": "simulated (no engine, no Slurm): shards of log-normal work scheduled FIFO on GPUs; elastic "
-        "workers with the package's own plan cutting (plan.guided_tail) and order (plan.work_order)",
+        "workers with the package's own plan cutting (plan.guided_tail) and order (work_order)",
         "cluster": asdict(c),
         "work": {
             "max_over_median": round(max(work) / float(np.median(work)), 1),
@@ -1047,7 +1048,7 @@ UNEVEN = {  # the data: every shard rows_per_shard rows; the first `heavy` shard
     "workers": 2,
 }
 UNEVEN_ORDERS = {  # name: the shards section's additions, and prompt.order (None: the default)
-    # balance: rows, shards of equal rows and no estimate: plan.work_order gives plan order (ties)
+    # balance: rows, shards of equal rows and no estimate: work_order gives plan order (ties)
     "plan order": ({"tail": "none", "split_seconds": 0}, "input"),
     # the plan's policy: longest first (a no-op without an estimate) and the plan's guided tail
     "longest first + tail": ({"tail": "guided", "split_seconds": 0}, "input"),
@@ -1307,7 +1308,7 @@ def markdown(result: dict[str, Any]) -> str:
         if end := sim.get("end"):
             text += (
                 f"\n**The end of the run** (`simulate` step): elastic workers with the package's own policy: the "
-                f"order `plan.work_order` gives (largest estimated work first) and the plan's tail "
+                f"order `work_order` gives (largest estimated work first) and the plan's tail "
                 f"(`shards.tail: guided`, `plan.guided_tail`: each tail shard 1/{1 / sim['tail']['fraction']:g} of the "
                 f"work left per worker, down to 1/{1 / sim['tail']['floor']:g} of an average shard). Shards of "
                 f"log-normal work as above, one draw per case; {c['shard_overhead_s']:.0f} s per shard, a worker "

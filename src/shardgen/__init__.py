@@ -1,17 +1,19 @@
 """shardgen: offline LLM inference over large datasets, one vLLM job per shard on Slurm."""
 
-# The features register their checks and kinds with the layers below them when imported
-# (config.register_*: docs/dev/layers.md); importing the package imports them all, so that every
-# config is checked by every feature whoever imports config. A new feature is one line here.
-from shardgen import (  # noqa: F401
-    fake_engine,
-    functions,
-    openai_batch,
-    prompts,
-    rollouts,
-    server_engine,
-    splits,
-    steps,
-    tasks,
-)
 from shardgen.version import __version__  # noqa: F401
+
+# The features: each registers its checks and kinds with the layers below it when imported
+# (config.register_*, engine.KINDS, ...: docs/dev/layers.md). ``import shardgen`` imports none of them;
+# the first read of any registry imports them all (shardgen.registry), so that every config is checked
+# by every feature whoever reads it. A new feature is one line here.
+FEATURES = (
+    "fake_engine",
+    "functions",
+    "openai_batch",
+    "prompts",
+    "rollouts",
+    "server_engine",
+    "splits",
+    "steps",
+    "tasks",
+)

@@ -5,7 +5,7 @@ worker (``shards.workers``) for each shard it takes, a job of one shard (or
 of ``shards.per_job`` shards) for each of its shards (``ClaimBoard.acquire``).
 
 W worker jobs take shards from the plan, largest estimated work first
-(``plan.work_order``), until none is left. A worker claims a shard by
+(``manifest.work_order``), until none is left. A worker claims a shard by
 creating ``claims/<shard>.<generation>.claim`` with ``O_EXCL``: of any
 number of workers racing for the same name, exactly one creates it. The
 file says who holds it (worker index, host, Slurm job, pid, a token); its
@@ -315,7 +315,7 @@ class ClaimBoard:
 
         In this order: the claims this worker index held before (a retried
         worker carries on with them, failed or not); shards nobody claimed, in
-        the order of ``shard_ids`` (workers pass ``plan.work_order``, largest
+        the order of ``shard_ids`` (workers pass ``manifest.work_order``, largest
         first, then the pieces splits made: a function, asked on every look);
         claims whose heartbeat is older than the lease (not marked
         failed), oldest first. When only other workers' claims are left, it

@@ -14,15 +14,12 @@ import sys
 from typing import NoReturn
 
 from shardgen import config as cfg
-from shardgen import jobenv, steps, workers
+from shardgen import jobenv
 from shardgen.errors import ShardgenError
-from shardgen.fetch import main_fetch
 from shardgen.io import restrict_umask
-from shardgen.merge import main_merge, push, upload
-from shardgen.multinode import main_worker
-from shardgen.plan import write_manifest
-from shardgen.preflight import main_preflight, reach_storage
-from shardgen.status import main_status
+
+# Each command imports what it runs, when it runs (``python -X importtime``): ``shardgen status`` reads
+# a run's files without pyarrow, the engine or the features.
 
 
 def _ids(text: str) -> list[str]:
@@ -128,12 +125,18 @@ def main(argv: list[str] | None = None) -> int:
         jobenv.enter(args.command)
     try:
         if args.command == "plan":
+            from shardgen.plan import write_manifest
+
             m = write_manifest(_load(args.config), args.manifest)
             print(f"planned {m['total_rows']} rows in {len(m['shards'])} shards -> {args.manifest}", file=sys.stderr)
             return 0
         if args.command == "preflight":
+            from shardgen.preflight import main_preflight
+
             return main_preflight(_load(args.config), args.manifest, args.report, args.model_record)
         if args.command == "generate":
+            from shardgen import workers
+
             one = args.record is None
             if args.worker is not None and one:
                 raise ShardgenError("generate: a --worker needs --record")
@@ -149,31 +152,47 @@ def main(argv: list[str] | None = None) -> int:
                 return workers.main_shard(config, args.manifest, shard, args.output, args.stats, args.model_record)
             return workers.main_shards(config, args.manifest, args.shard, args.record, args.model_record)
         if args.command == "reach-storage":
+            from shardgen.preflight import reach_storage
+
             record = reach_storage(_load(args.config), args.manifest, args.record)
             print(f"read {len(record['objects'])} object(s) from {record['host']}", file=sys.stderr)
             return 0
         if args.command == "upload":
+            from shardgen.merge import upload
+
             record = upload(_load(args.config), args.dataset, args.stats, args.record)
             print(f"uploaded {len(record['uploaded'])} object(s) to {record['prefix']}; {len(record['skipped'])} "
                   "unchanged since the last upload", file=sys.stderr)  # fmt: skip
             return 0
         if args.command == "push":
+            from shardgen.merge import push
+
             record = push(_load(args.config), args.dataset, args.stats, args.record)
             print(f"pushed {record['rows']} rows to {record['repo_id']}", file=sys.stderr)
             return 0
         if args.command == "status":
+            from shardgen.status import main_status
+
             out_dir = args.dir or cfg.load(args.configfile or "config/config.yaml")["output"]["dir"]
             return main_status(out_dir, args.window, args.all)
         if args.command == "engine-worker":
+            from shardgen.multinode import main_worker
+
             return main_worker()
         if args.command == "engine-version":
             print(cfg.engine_version())
             return 0
         if args.command == "fetch-model":
+            from shardgen.fetch import main_fetch
+
             return main_fetch(_load(args.config), args.output)
         if args.command == "merge":
+            from shardgen.merge import main_merge
+
             return main_merge(_load(args.config), args.manifest, args.output, args.stats, args.model_record)
         if args.command == "select":
+            from shardgen import steps
+
             stats = steps.finish(cfg.load(args.config), args.output, args.stats)
             print(steps.summary_text(stats))
             return 0
@@ -205,7 +224,7 @@ def run() -> NoReturn:
 def _spawn_without_this_script() -> None:
     """vLLM spawns its engine core and workers, and multiprocessing's spawn runs the parent's main script
     again in each child before anything else (multiprocessing/spawn.py, ``_fixup_main_from_path``): the
-    ``shardgen`` script imports shardgen and every feature, about 0.4 s per process, one after the other
+    ``shardgen`` script imports the CLI and the config layer, tenths of a second per process, one after the other
     at each engine start, for nothing the engine's processes use. A package's ``__main__`` is not run again
     (``_fixup_main_from_name``): the script's module is given the spec of shardgen's own, which runs this
     same command (``python -m shardgen``)."""

@@ -32,6 +32,7 @@ from shardgen import trust
 from shardgen.errors import ConfigError
 from shardgen.installed import vllm_version
 from shardgen.io import atomic_write_text
+from shardgen.registry import Hooks, Registry
 from shardgen.rundir import CONFIG_DIR, RunDir
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
@@ -70,29 +71,29 @@ LATER_DEFAULTS = {
 
 # -- Where features plug in ----------------------------------------------------------------------------
 # This module checks the core's keys. A feature (a run mode, a source kind, a task kind, an output
-# format, the prompt's templates) registers its own checks here when it is imported, and importing the
-# package imports every feature (shardgen/__init__.py), so this module names none of them: features sit
-# above it (docs/dev/layers.md).
+# format, the prompt's templates) registers its own checks here when it is imported, and reading any of
+# these registries imports every feature first (shardgen.registry), so this module names none of them:
+# features sit above it (docs/dev/layers.md).
 
 Check = Callable[[dict[str, Any]], None]
 # A run mode that makes one config several runs (``steps``), by its key: the check of the whole config
 # (its runs are each checked as a config of their own) and the warnings for it.
-RUN_MODES: dict[str, tuple[Check, Callable[[dict[str, Any]], list[str]]]] = {}
+RUN_MODES: dict[str, tuple[Check, Callable[[dict[str, Any]], list[str]]]] = Registry()
 # The features' checks of one run's config, in the order registered: those of ``BEFORE_CORE`` run before
 # the core's (they may fill in settings the input decides: ``input.openai_batch``), the others after it.
-BEFORE_CORE: list[Check] = []
-AFTER_CORE: list[Check] = []
+BEFORE_CORE: list[Check] = Hooks()
+AFTER_CORE: list[Check] = Hooks()
 # Every task kind, by its name (``tasks.KINDS``).
-TASKS: dict[str, Any] = {}
+TASKS: dict[str, Any] = Registry()
 # A section that makes a task another kind (``rollout``: a generate task whose rows are conversations):
 # key -> {task name: the kind it makes of that task}.
-TASK_SECTIONS: dict[str, dict[str, Any]] = {}
+TASK_SECTIONS: dict[str, dict[str, Any]] = Registry()
 # Paths in a config relative to the config file (a feature's, e.g. ``function.path``): each resolver makes
 # those it knows absolute, given the config file's directory (``resolve_paths``).
-PATH_RESOLVERS: list[Callable[[dict[str, Any], Path], None]] = []
+PATH_RESOLVERS: list[Callable[[dict[str, Any], Path], None]] = Hooks()
 # Engines other than vLLM (``engine.kind``), by kind: what of the ``engine`` section decides the rows it
 # gives (its part of the fingerprint; vLLM's is the engine version and the model section).
-ENGINE_CONTENT: dict[str, Callable[[Mapping[str, Any]], Any]] = {}
+ENGINE_CONTENT: dict[str, Callable[[Mapping[str, Any]], Any]] = Registry()
 
 
 def register_run_mode(key: str, check: Check, warnings: Callable[[dict[str, Any]], list[str]]) -> None:
@@ -104,7 +105,7 @@ def register_check(check: Check, before_core: bool = False) -> None:
 
 
 def register_tasks(kinds: Mapping[str, Any]) -> None:
-    TASKS.update(kinds)
+    dict.update(TASKS, dict.items(kinds) if isinstance(kinds, dict) else kinds.items())  # a read would load
 
 
 def register_task_section(key: str, kinds: Mapping[str, Any]) -> None:

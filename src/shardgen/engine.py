@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from shardgen import fetch, gpus, jobenv, jobinfo, kernels, memory, multinode
 from shardgen.errors import RowError, ShardgenError
 from shardgen.installed import version_problem, vllm_build
+from shardgen.registry import Registry
 from shardgen.results import EngineRequest
 
 if TYPE_CHECKING:
@@ -216,7 +217,7 @@ class EngineSettings:
 
 # The engines by ``engine.kind``: vLLM's here; another registers itself (``fake_engine``). Each is a class
 # whose instance is a job's handle on its engine, with ``Engine``'s methods.
-KINDS: dict[str, type] = {}
+KINDS: dict[str, type] = Registry()
 
 
 def for_config(config: RunConfig) -> Any:

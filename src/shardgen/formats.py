@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 from shardgen.errors import ShardgenError
 from shardgen.io import atomic_write, atomic_write_text, replace_dir
 from shardgen.outputs import CONFIG_KEY, PROVENANCE_KEY
+from shardgen.registry import Registry
 
 # Row groups of a merged Parquet file: large enough that a 100M-row output
 # has a footer of a few thousand entries, small enough to buffer.
@@ -61,7 +62,7 @@ class OutputFormat:
 
 
 # The formats features add, by their ``output.format`` name (register).
-ADDED: dict[str, OutputFormat] = {}
+ADDED: dict[str, OutputFormat] = Registry()
 
 
 def register(name: str, fmt: OutputFormat) -> None:

@@ -42,10 +42,11 @@ from shardgen.feed import ErrorBudget, RowInputs, RowStream, ShardFeed, ShardWor
 from shardgen.identity import shard_fingerprint
 from shardgen.io import Dir, atomic_write_text
 from shardgen.lora import Adapters
+from shardgen.manifest import Manifest, Shard, holds, work_order
 from shardgen.memory import OutOfMemory
 from shardgen.multinode import WorkersLost
 from shardgen.outputs import ShardCheckpoint
-from shardgen.plan import Manifest, Shard, check_columns, holds, work_order
+from shardgen.plan import check_columns
 from shardgen.prompts import PromptRenderer
 from shardgen.results import result_spec
 from shardgen.rundir import RunDir, committed_fingerprint

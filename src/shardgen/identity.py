@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardgen.config import RunConfig, content_config, digest
-from shardgen.plan import Manifest, Shard
+from shardgen.manifest import Manifest, Shard
 
 
 def shard_fingerprint(config: RunConfig, manifest: Manifest, shard: Shard) -> str:

@@ -27,8 +27,8 @@ from shardgen.config import RunConfig, published_sampling
 from shardgen.errors import MergeError
 from shardgen.fetch import load_record
 from shardgen.io import Dir, atomic_write_text
+from shardgen.manifest import Manifest, Shard, run_shards
 from shardgen.outputs import CONFIG_KEY, SHARD_KEY, count_problems, rows_per_input
-from shardgen.plan import Manifest, Shard, run_shards
 from shardgen.results import DROPPED, result_spec
 from shardgen.rowsampling import logprobs_of
 from shardgen.rundir import RunDir

@@ -65,8 +65,9 @@ from shardgen import config as cfg
 from shardgen import formats, sources
 from shardgen.errors import ConfigError, InputError, RowError, ShardgenError
 from shardgen.io import replace_dir
+from shardgen.manifest import Segment
 from shardgen.outputs import lone_surrogate
-from shardgen.sources import BATCH_ROWS, ParquetSource, Segment, SourceKind, expand_patterns
+from shardgen.sources import BATCH_ROWS, ParquetSource, SourceKind, expand_patterns
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig

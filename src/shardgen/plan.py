@@ -13,39 +13,21 @@ import bisect
 import itertools
 import json
 import math
-import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardgen.errors import InputError
 from shardgen.io import atomic_write_text
+from shardgen.manifest import MANIFEST_VERSION, Manifest, Shard
 from shardgen.outputs import check_input_columns
 from shardgen.prompts import PromptRenderer
+from shardgen.registry import Hooks, Registry
 from shardgen.results import result_spec
-from shardgen.rundir import RunDir
-from shardgen.sources import Segment, Source, SourceKind, open_source, source_from_manifest, source_kind
+from shardgen.sources import Source, open_source
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
-
-MANIFEST_VERSION = 1
-SHARD_ID = re.compile(r"[0-9]+")
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Rows ``[start, stop)`` of the input, in input order."""
-
-    id: str
-    start: int
-    stop: int
-    segments: list[Segment]
-
-    @property
-    def rows(self) -> int:
-        return self.stop - self.start
 
 
 def shard_id_width(num_shards: int) -> int:
@@ -185,9 +167,9 @@ def guided_tail(cuts: list[int], curve: WorkCurve | RowCurve, workers: int) -> l
 
 # What features add to planning: the plan of an input a feature plans itself, by the input key that
 # selects it (a run before this one: its plan), and checks of the input and of the plan before it is written.
-PLANNERS: dict[str, Callable[[RunConfig], dict[str, Any]]] = {}
-INPUT_CHECKS: list[Callable[[RunConfig, Source], None]] = []
-PLAN_CHECKS: list[Callable[[RunConfig, Manifest], None]] = []
+PLANNERS: dict[str, Callable[[RunConfig], dict[str, Any]]] = Registry()
+INPUT_CHECKS: list[Callable[[RunConfig, Source], None]] = Hooks()
+PLAN_CHECKS: list[Callable[[RunConfig, Manifest], None]] = Hooks()
 
 
 def check_columns(config: RunConfig, schema: Any, where: str, head: Any = None) -> None:
@@ -270,74 +252,6 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
     if guided:  # only then: the manifests of other plans stay as they were
         manifest["tail"] = {"kind": "guided", "workers": config.shards.workers}
     return manifest | {"shards": entries}
-
-
-class Manifest:
-    """A planned run, as read back by generate and merge jobs."""
-
-    def __init__(self, data: dict[str, Any]) -> None:
-        if data.get("version") != MANIFEST_VERSION:
-            raise InputError(f"manifest: version {data.get('version')} is not {MANIFEST_VERSION}; plan again")
-        self.data = data
-        for s in data["shards"]:
-            # ids name files and directories: digits only, never a path
-            if not SHARD_ID.fullmatch(str(s["id"])):
-                raise InputError(f"manifest: the shard id {s['id']!r} is not a number; plan again")
-        self.total_rows: int = data["total_rows"]
-        self.shards = [
-            Shard(s["id"], s["start"], s["stop"], [Segment(*g) for g in s["segments"]]) for s in data["shards"]
-        ]
-        self._by_id = {s.id: s for s in self.shards}
-
-    @classmethod
-    def load(cls, path: str | Path) -> Manifest:
-        return cls(json.loads(Path(path).read_text()))
-
-    def source(self) -> Source:
-        return source_from_manifest(self.data["source"])
-
-    @property
-    def source_kind(self) -> SourceKind:
-        """What the core asks of the plan's source (``sources.source_kind``), without opening it."""
-        return source_kind(self.data["source"]["kind"])
-
-    def shard(self, shard_id: str) -> Shard:
-        try:
-            return self._by_id[shard_id]
-        except KeyError:
-            raise InputError(f"manifest: no shard '{shard_id}' (the plan has {len(self.shards)})") from None
-
-
-# -- The shards a run writes ----------------------------------------------------------------------------
-# A feature may divide the plan's shards while a run goes (splits: an idle worker's cut makes pieces). It
-# registers how to find a run's pieces now; every reader of a run's shards (a job, the merge, shardgen
-# status) asks ``run_shards``, never the feature.
-PIECES: list[Callable[[Manifest, RunDir, bool], list[Shard] | None]] = []
-
-
-def run_shards(manifest: Manifest, run_dir: RunDir, workers: bool = True) -> list[Shard]:
-    """The shards a run writes now, in row order: the plan's, or the pieces a feature divided them into.
-    ``workers``: whether the run has elastic workers (only they split: a run without them never sees a
-    cut an earlier run of workers made); ``shardgen status``, which has no config, looks either way."""
-    for pieces in PIECES:
-        if (found := pieces(manifest, run_dir, workers)) is not None:
-            return found
-    return manifest.shards
-
-
-def holds(stats: dict[str, Any], shard: Shard) -> bool:
-    """Whether a committed file's stats hold the shard's rows as they are now (not a file committed
-    before a later cut narrowed it); stats without a range are a plan shard's, its whole rows."""
-    return (stats.get("row_start", shard.start), stats.get("row_stop", shard.stop)) == (shard.start, shard.stop)
-
-
-def work_order(manifest: Manifest) -> list[str]:
-    """Shard ids in the order elastic workers take them: largest estimated work first (the plan's
-    ``estimated_tokens`` when every shard has one, else rows), ties in plan order."""
-    entries = manifest.data["shards"]
-    estimated = all("estimated_tokens" in e for e in entries)
-    sizes = [e["estimated_tokens"] if estimated else e["stop"] - e["start"] for e in entries]
-    return [entries[i]["id"] for i in sorted(range(len(entries)), key=lambda i: -sizes[i])]
 
 
 def write_manifest(config: RunConfig, path: str | Path) -> dict[str, Any]:

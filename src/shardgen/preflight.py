@@ -36,7 +36,8 @@ from shardgen.gpus import (
 from shardgen.installed import version_problem, vllm_build
 from shardgen.io import atomic_write_text
 from shardgen.kernels import kernel_problem
-from shardgen.plan import Manifest, check_columns
+from shardgen.manifest import Manifest
+from shardgen.plan import check_columns
 from shardgen.prompts import PromptRenderer
 from shardgen.results import DROPPED, choice_first_tokens
 from shardgen.tasks import Task, make_task

@@ -24,6 +24,8 @@ import pyarrow.parquet as pq
 
 from shardgen import storage
 from shardgen.errors import InputError
+from shardgen.manifest import Segment
+from shardgen.registry import Registry
 
 if TYPE_CHECKING:
     from shardgen.config import InputConfig, RunConfig
@@ -43,15 +45,6 @@ class ParquetFileInfo:
     rows: int
     row_groups: list[int] = field(default_factory=list)
     etag: str | None = None  # an object's
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Rows ``[start, stop)`` of one file (index into the source's files), or of the dataset."""
-
-    file: int
-    start: int
-    stop: int
 
 
 def expand_parquet_patterns(patterns: list[str]) -> list[str]:
@@ -504,7 +497,7 @@ class SourceKind:
     - ``ids_planned``: planning read every row's id (``input.id_column``) and refused a missing or
       repeated one, so the preflight does not read them again (several rows of one request share it);
     - ``rows_identity``: what identifies a plan's shard's rows (``identity.shard_fingerprint``), from the
-      source and the shard (``plan.Shard``), for an entry without ``files``; None: the entry's
+      source and the shard (``manifest.Shard``), for an entry without ``files``; None: the entry's
       ``fingerprint`` and the shard's bounds.
     """
 
@@ -520,7 +513,7 @@ class SourceKind:
 
 
 # The source kinds features add, by the name their manifest entries record (register_source).
-KINDS: dict[str, SourceKind] = {}
+KINDS: dict[str, SourceKind] = Registry()
 
 
 def register_source(name: str, kind: SourceKind) -> None:

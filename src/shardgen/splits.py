@@ -40,12 +40,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from shardgen import plan
+from shardgen import manifest as mf
 from shardgen.io import LazyDir
-from shardgen.plan import Manifest, Shard
+from shardgen.manifest import Manifest, Segment, Shard
 from shardgen.records import read_progress
 from shardgen.rundir import RunDir
-from shardgen.sources import Segment
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
@@ -319,8 +318,8 @@ class Thief:
 
 
 def _pieces(manifest: Manifest, run_dir: RunDir, workers: bool) -> list[Shard] | None:
-    """A run's pieces now (``plan.run_shards``): of elastic workers' runs only."""
+    """A run's pieces now (``manifest.run_shards``): of elastic workers' runs only."""
     return Splits(run_dir.splits, below=run_dir.root).all_pieces(manifest) if workers else None
 
 
-plan.PIECES.append(_pieces)
+mf.PIECES.append(_pieces)

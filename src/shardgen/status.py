@@ -21,7 +21,7 @@ from typing import Any
 
 from shardgen import cluster, records, runstop
 from shardgen.claims import CLAIM_NAME, FAILED
-from shardgen.plan import Manifest, holds, run_shards
+from shardgen.manifest import Manifest, holds, run_shards
 from shardgen.rundir import RunDir
 from shardgen.runlock import read_owner
 

@@ -46,11 +46,12 @@ from shardgen.errors import ConfigError, InputError
 from shardgen.fetch import load_record
 from shardgen.heads import Head
 from shardgen.io import atomic_write_text
-from shardgen.plan import MANIFEST_VERSION, Manifest, check_columns
+from shardgen.manifest import MANIFEST_VERSION, Manifest, Segment
+from shardgen.plan import check_columns
 from shardgen.results import DROPPED, result_spec
 from shardgen.rundir import RunDir, committed_fingerprint
 from shardgen.sandbox import BoundedSandbox, RenderBudget, TemplateTimeout
-from shardgen.sources import Segment, Source
+from shardgen.sources import Source
 
 # What a step may set; each replaces the top-level section of its name.
 STEP_SECTIONS = ("task", "model", "function", "rollout", "prompt", "sampling", "pooling", "lora", "resources")

@@ -36,6 +36,7 @@ from shardgen import config as cfg
 from shardgen import engine as eng
 from shardgen import heads, reasoning, rowsampling
 from shardgen.errors import ConfigError
+from shardgen.registry import Registry
 from shardgen.results import (
     LABEL_PROB_TYPE,
     Columns,
@@ -486,9 +487,9 @@ class ScoreTask(PoolingTask):
 
 
 # Every task, by its name (the schema's `task` enum, in its order); config asks for them there.
-KINDS: dict[str, type[Task]] = {
-    kind.name: kind for kind in (GenerateTask, ClassifyTask, RewardTask, EmbedTask, ScoreTask)
-}
+KINDS: dict[str, type[Task]] = Registry(
+    {kind.name: kind for kind in (GenerateTask, ClassifyTask, RewardTask, EmbedTask, ScoreTask)}
+)
 cfg.register_tasks(KINDS)
 
 

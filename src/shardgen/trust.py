@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from shardgen import storage
+from shardgen import credentials
 from shardgen.errors import ConfigError
 
 # Keys that would put a credential in the config, where it would be copied
@@ -42,9 +42,9 @@ CREDENTIAL_PATTERNS = {
     "a Google API key": re.compile(r"\bAIza[0-9A-Za-z_-]{35}"),
     "a private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
     "a JSON web token": re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),
-    "a password in a URL": storage.USER_PASSWORD,
-    "a token in a URL": storage.USER_TOKEN,
-    "a credential in a URL": storage.QUERY_CREDENTIAL,
+    "a password in a URL": credentials.USER_PASSWORD,
+    "a token in a URL": credentials.USER_TOKEN,
+    "a credential in a URL": credentials.QUERY_CREDENTIAL,
 }
 # Where key names are data, not settings.
 _DATA_KEYS = (("sampling", "structured_outputs", "json"),)

@@ -26,7 +26,7 @@ from shardgen.config import RunConfig
 from shardgen.engine import for_config as engine_for
 from shardgen.fetch import load_record
 from shardgen.io import atomic_write_text
-from shardgen.plan import Manifest
+from shardgen.manifest import Manifest
 from shardgen.rundir import RunDir
 from shardgen.stopflag import Interrupted, StopFlag
 

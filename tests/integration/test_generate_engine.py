@@ -568,8 +568,8 @@ def test_a_chain_whose_first_step_drops_rows_and_second_samples_several_counts_e
     of pairs that finds no pair writes the chosen/rejected columns still."""
     from shardgen import config as cfg
     from shardgen import steps
+    from shardgen.manifest import Manifest
     from shardgen.merge import merge
-    from shardgen.plan import Manifest
     from shardgen.workers import run_shards
 
     rows = make_rows(4)

@@ -79,7 +79,8 @@ def _replanned_with_a_stale_claim(tmp_path, stale: str, holder_worker: int, old_
     its holder is gone (no heartbeat for an hour). The run is planned again with 4 rows per shard: 3 shards."""
     from shardgen import splits
     from shardgen.claims import ClaimBoard, Holder
-    from shardgen.plan import Manifest, write_manifest
+    from shardgen.manifest import Manifest
+    from shardgen.plan import write_manifest
     from shardgen.rundir import RunDir
     from tests.conftest import base_config, make_rows, write_parquet
 

@@ -10,7 +10,7 @@ import pytest
 from shardgen import config as cfg
 from shardgen import steps
 from shardgen.identity import shard_fingerprint
-from shardgen.plan import MANIFEST_VERSION, Manifest
+from shardgen.manifest import MANIFEST_VERSION, Manifest
 from shardgen.splits import clip
 
 ENGINE = "0.32.0"

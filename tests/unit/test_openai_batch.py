@@ -192,7 +192,8 @@ def batch_config(paths: list[str], **extra) -> cfg.RunConfig:
 
 
 def test_a_batch_file_is_sharded_by_line_and_every_request_is_read_once_in_order(tmp_path):
-    from shardgen.plan import Manifest, build_manifest
+    from shardgen.manifest import Manifest
+    from shardgen.plan import build_manifest
 
     paths = [batch_file(tmp_path / "a.jsonl", [request(i) for i in range(2500)], blank_every=700),
              batch_file(tmp_path / "b.jsonl", [request(i) for i in range(2500, 2600)])]  # fmt: skip
@@ -267,7 +268,8 @@ def test_a_request_that_is_not_valid_becomes_that_rows_error_naming_the_field():
 def test_a_request_value_a_row_cannot_hold_is_its_rows_error_and_the_other_requests_are_read(tmp_path):
     """A non-string url, a truncated emoji (a lone surrogate: no UTF-8 for Arrow) in any field: the
     row's invalid_request error naming the field, not a shard whose read fails on every attempt."""
-    from shardgen.plan import Manifest, build_manifest
+    from shardgen.manifest import Manifest
+    from shardgen.plan import build_manifest
 
     emoji = request(1, messages=[{"role": "user", "content": "Hi \ud83d"}])
     key = request(3, stop=["x"], **{"tag\udc00": 1})
@@ -465,8 +467,9 @@ def test_any_json_in_any_field_is_refused_naming_file_and_line_or_a_row_whose_re
     request's fields hold: never a read that fails the shard on every attempt."""
     from shardgen.errors import InputError, RowError
     from shardgen.feed import RowInputs
+    from shardgen.manifest import Manifest
     from shardgen.openai_batch import request_rows, result_line
-    from shardgen.plan import Manifest, build_manifest
+    from shardgen.plan import build_manifest
     from shardgen.prompts import PromptRenderer
 
     kind = data.draw(st.sampled_from(sorted(fuzz_runs)))
@@ -526,7 +529,8 @@ def score_config(paths: list[str], **extra) -> cfg.RunConfig:
 
 def test_a_score_or_rerank_request_is_a_row_per_pair_across_blocks_shards_and_files(tmp_path):
     from shardgen import openai_batch
-    from shardgen.plan import Manifest, build_manifest
+    from shardgen.manifest import Manifest
+    from shardgen.plan import build_manifest
 
     many = [f"doc {j}" for j in range(3 * openai_batch.BATCH_BLOCK // 2)]  # a line of rows over two blocks
     paths = [batch_file(tmp_path / "a.jsonl", [score_request(0, text_1="q0", text_2=["a", "b"]),

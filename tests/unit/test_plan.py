@@ -9,7 +9,8 @@ import math
 import pytest
 
 from shardgen.errors import InputError
-from shardgen.plan import Manifest, build_manifest, shard_id_width, write_manifest
+from shardgen.manifest import Manifest
+from shardgen.plan import build_manifest, shard_id_width, write_manifest
 from tests.conftest import base_config, make_rows, write_parquet
 
 
@@ -234,7 +235,7 @@ def _manifest(sizes, estimates=None):
 
 
 def test_workers_take_the_largest_estimated_work_first_and_ties_in_plan_order():
-    from shardgen.plan import work_order
+    from shardgen.manifest import work_order
 
     # the estimate decides, not the rows
     assert work_order(_manifest([5, 5, 5, 5], [10, 40, 10, 40])) == ["00001", "00003", "00000", "00002"]

@@ -24,8 +24,9 @@ import yaml
 
 from shardgen import config as cfg
 from shardgen.errors import ShardgenError
+from shardgen.manifest import Manifest
 from shardgen.merge import merge
-from shardgen.plan import Manifest, write_manifest
+from shardgen.plan import write_manifest
 from shardgen.report import FILES, length_counts, make_plots, plot_token_lengths, totals
 from shardgen.results import ResultSpec
 from shardgen.stats import LogHistogram, merge_shard_stats

@@ -8,7 +8,8 @@ import pyarrow as pa
 import pytest
 
 from shardgen.errors import InputError
-from shardgen.plan import Manifest, build_manifest
+from shardgen.manifest import Manifest
+from shardgen.plan import build_manifest
 from shardgen.sources import HFSource, ParquetSource
 from tests.conftest import base_config, make_rows
 

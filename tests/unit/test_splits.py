@@ -18,9 +18,8 @@ from shardgen.claims import Claim, ClaimBoard, ClaimLost, Holder
 from shardgen.config import RunConfig
 from shardgen.engine import EngineSettings
 from shardgen.feed import RowStream, ShardFeed, ShardWork
-from shardgen.plan import Manifest, Shard
+from shardgen.manifest import Manifest, Segment, Shard
 from shardgen.rundir import RunDir
-from shardgen.sources import Segment
 from shardgen.stats import AttemptCounters
 from shardgen.tasks import make_task
 

@@ -16,9 +16,9 @@ import pytest
 from shardgen import storage, trust
 from shardgen.config import RunConfig
 from shardgen.errors import ConfigError, InputError
+from shardgen.manifest import Manifest, Segment
 from shardgen.merge import upload
-from shardgen.plan import Manifest, build_manifest
-from shardgen.sources import Segment
+from shardgen.plan import build_manifest
 from shardgen.storage import StorageError
 from tests.conftest import make_rows, s3_bucket, write_parquet
 

@@ -310,7 +310,8 @@ def test_a_datasets_image_column_saved_to_disk_reaches_the_feed_as_cells_that_de
     from PIL import Image
 
     from shardgen.images import row_images
-    from shardgen.plan import Manifest, build_manifest
+    from shardgen.manifest import Manifest
+    from shardgen.plan import build_manifest
     from tests.conftest import base_config
 
     colors = [(255, 0, 0), (0, 0, 255), (0, 128, 0)]
