@@ -7,14 +7,21 @@ starts with the same engine arguments and runs the same shard (after a warm-up) 
 output tokens/s of each (median of the repeats) and their ratio (docs/engines.md says where the
 difference goes).
 
-Usage: python bench/server.py [--rows N] [--repeats N] [--max-tokens N] [--out DIR]
+With ``--slurm PARTITION``: the same two engines as whole runs through the Slurm profile
+(``snakemake --profile profiles/slurm``), one after the other on the same rows, each run's figures from
+its merged stats.json: generation throughput, the engine's start, the job's wall time and GPU-hours.
+It writes server-slurm.{json,md}.
+
+Usage: python bench/server.py [--rows N] [--repeats N] [--max-tokens N] [--slurm PARTITION] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,6 +29,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -76,13 +84,77 @@ def measure(side: str, handle, tmp: Path, rows: int, max_tokens: int, repeats: i
             "seconds": [round(x, 2) for x in seconds], "texts": texts}  # fmt: skip
 
 
+SLURM_FIGURES = ("rows", "output_tokens_per_s", "requests_per_s", "engine_start_seconds", "generation_seconds",
+                 "wall_seconds", "gpu_hours")  # fmt: skip
+
+
+def slurm_run(work: Path, rows: int, max_tokens: int, engine: dict, partition: str) -> tuple[dict, list[str]]:
+    """One whole run through the Slurm profile: its merged stats and generations."""
+    work.mkdir(parents=True)
+    raw = dict(config(work / "results", rows, max_tokens, engine).raw)
+    raw["resources"] = {"cpus_per_task": os.cpu_count(), "mem_mb": 8000, "runtime": 30}
+    (work / "config.yaml").write_text(yaml.safe_dump(raw))
+    bin_dir = Path(sys.executable).absolute().parent
+    cmd = [str(bin_dir / "snakemake"), "--snakefile", str(ROOT / "Snakefile"), "--directory", str(work),
+           "--profile", str(ROOT / "profiles" / "slurm"), "--default-resources", f"slurm_partition={partition}",
+           "--configfile", str(work / "config.yaml")]  # fmt: skip
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"the {engine['kind']} run failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    stats = json.loads((work / "results" / "stats.json").read_text())
+    texts = pq.read_table(work / "results" / "output.parquet").column("generation").to_pylist()
+    return {k: stats.get(k) for k in SLURM_FIGURES}, texts
+
+
+def main_slurm(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(dir=ROOT) as tmp_dir:  # on the file system the jobs see
+        tmp = Path(tmp_dir)
+        sides, texts = {}, {}
+        for side, engine in (("in_process", {"kind": "vllm"}),
+                             ("server", {"kind": "server", "server": {"preset": "vllm"}})):  # fmt: skip
+            sides[side], texts[side] = slurm_run(tmp / side, args.rows, args.max_tokens, engine, args.slurm)
+    ip, sv = sides["in_process"], sides["server"]
+    result = {
+        "what": "a whole run through the Slurm profile (one generate job) with vLLM in the job's process against "
+        "vLLM's OpenAI-compatible server started by the job (engine.kind: server, preset vllm), same rows and "
+        "engine arguments, greedy, one run after the other; figures from each run's merged stats.json",
+        "rows": args.rows,
+        "max_tokens": args.max_tokens,
+        "max_num_seqs": MODEL["max_num_seqs"],
+        "sides": sides,
+        "ratio": round(sv["output_tokens_per_s"] / ip["output_tokens_per_s"], 3),
+        "same_text": texts["in_process"] == texts["server"],
+        "vllm": vllm_version(),
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    write_results(args.out, "server-slurm", result, markdown_slurm(result))
+
+
+def markdown_slurm(r: dict) -> str:
+    ip, sv = r["sides"]["in_process"], r["sides"]["server"]
+    lines = [f"| {k} | {ip[k]:.4g} | {sv[k]:.4g} |" for k in SLURM_FIGURES[1:]]
+    return (
+        f"vLLM {r['vllm']}, {r['machine']}, {r['date']}; a run of {r['rows']} rows of {r['max_tokens']} output "
+        f"tokens through the Slurm profile, one generate job, max_num_seqs {r['max_num_seqs']}, greedy.\n\n"
+        "| figure (stats.json) | in process (`engine.kind: vllm`) | server (`engine.kind: server`, preset `vllm`) |\n"
+        "|---|---|---|\n" + "\n".join(lines) + "\n\n"
+        f"Output tokens/s, server against in process: **{r['ratio']}**. Same text on both sides: {r['same_text']}.\n"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--slurm", metavar="PARTITION", help="whole runs through the Slurm profile on PARTITION")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
+    if args.slurm:
+        main_slurm(args)
+        return
     clear_thread_env()
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)

@@ -1,12 +1,14 @@
 """The server engine (engine.kind: server) against vLLM's own OpenAI-compatible server from the same CPU
-build: a shard through a server the job starts gives the in-process engine's greedy generations, the
-server listens on loopback only, a request it refuses is its row's error, and a run reaches a running
-server by its URL with the key from the environment."""
+build: a run through the Slurm profile whose job starts the server gives the in-process engine's greedy
+generations, every row once, the server listening on loopback only; a request it refuses is its row's
+error; and a shard reaches a running server by its URL with the key from the environment."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import threading
+import time
 
 import psutil
 import pyarrow.parquet as pq
@@ -16,6 +18,7 @@ from shardgen.generate import JobContext, run_shard
 from shardgen.plan import write_manifest
 from shardgen.server_engine import ServerEngine, ServerFailed
 from tests.conftest import base_config, make_rows, write_parquet
+from tests.integration.workflow import Background, workflow_config
 
 pytestmark = pytest.mark.engine
 
@@ -39,6 +42,60 @@ def shard(tmp_path, name: str, engine_handle, **engine_section):
 def listening(process: psutil.Process) -> list[tuple[int, str]]:
     return [(p.pid, c.laddr.ip) for p in [process, *process.children(recursive=True)]
             for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]  # fmt: skip
+
+
+def served_sockets(workdir, done: threading.Event, seen: dict) -> None:
+    """Until ``done``: the listening sockets of every vLLM server process working in ``workdir`` (a
+    Slurm job's, which is not the test's child), by pid."""
+    while not done.is_set():
+        for p in psutil.process_iter(["cmdline", "cwd"]):
+            if p.info["cwd"] == str(workdir) and "vllm.entrypoints.openai.api_server" in (p.info["cmdline"] or []):
+                try:
+                    found = listening(p)
+                except psutil.Error:
+                    continue
+                seen.setdefault(p.pid, set()).update(ip for _, ip in found)
+        time.sleep(0.5)
+
+
+@pytest.mark.slurm
+def test_a_slurm_run_on_a_vllm_server_its_job_starts_gives_the_in_process_generations_on_loopback_only(
+    tmp_path, engine, slurm_cluster
+):
+    """engine.kind: server, preset vllm, through the Slurm profile: the generate job starts vLLM's
+    server, on loopback only; the merged output has every row once, the in-process engine's greedy
+    generation for each, and the row the server refuses as its error; the run's stats have its
+    throughput (bench/server.py --slurm compares it with the in-process engine's)."""
+    in_process, _ = shard(tmp_path / "session", "in-process", engine)
+    config = workflow_config(
+        {"parquet": [str(tmp_path / "session" / "in.parquet")], "id_column": "id", "sampling_column": "sampling"},
+        shards={"rows_per_shard": ROWS},
+        prompt={"template": "Write one short sentence about {{ topic }}."},
+        sampling={"temperature": 0.0, "max_tokens": 12},
+        errors={"max_rate": 0.2},
+        engine={"kind": "server", "server": {"preset": "vllm"}},
+    )
+    config["model"]["enable_chunked_prefill"] = False  # the session engine's settings
+    done, seen = threading.Event(), {}
+    watcher = threading.Thread(target=served_sockets, args=(tmp_path, done, seen), daemon=True)
+    watcher.start()
+    try:
+        Background(tmp_path, config, "slurm").wait()
+    finally:
+        done.set()
+        watcher.join()
+    assert len(seen) == 1 and all(ips for ips in seen.values()), f"one server, seen listening: {seen}"
+    assert all(ipaddress.ip_address(ip).is_loopback for ips in seen.values() for ip in ips), seen
+
+    served = pq.read_table(tmp_path / "results" / "output.parquet").to_pylist()
+    assert [r["id"] for r in served] == [r["id"] for r in in_process], "every row once, in order"
+    # vLLM's server checks a request's max_tokens against the context (its offline engine does not)
+    assert served[TOO_LONG]["error"].startswith("rejected_by_engine: ") and "5000" in served[TOO_LONG]["error"]
+    others = [i for i in range(ROWS) if i != TOO_LONG]
+    assert [served[i]["generation"] for i in others] == [in_process[i]["generation"] for i in others]
+    assert [served[i]["generated_tokens"] for i in others] == [in_process[i]["generated_tokens"] for i in others]
+    stats = json.loads((tmp_path / "results" / "stats.json").read_text())
+    assert stats["rows"] == ROWS and stats["errors"] == 1 and stats["output_tokens_per_s"] > 0, stats
 
 
 def test_a_vllm_server_the_job_starts_gives_the_in_process_generations_and_listens_on_loopback_only(
