@@ -282,6 +282,16 @@ class Engine:
         """The memory settings the engine takes where the config leaves them unset, on these GPUs."""
         return memory.vllm_defaults(gpus, world_size)
 
+    # What a task asks each engine kind for: its requests' parameters (vLLM's own classes here;
+    # results.sampling_params and results.pooling_params for the kinds that do not import vLLM).
+    @staticmethod
+    def sampling_params(fields: Mapping[str, Any], choice_token_ids: list[int] | None = None) -> Any:
+        return make_sampling_params(fields, choice_token_ids)
+
+    @staticmethod
+    def pooling_params(task: str, use_activation: bool | None, dimensions: int | None) -> Any:
+        return make_pooling_params(task, use_activation, dimensions)
+
     @property
     def running(self) -> bool:
         return self.llm is not None

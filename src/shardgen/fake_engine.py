@@ -36,6 +36,7 @@ from typing import Any
 
 from shardgen import config as cfg
 from shardgen import engine as eng
+from shardgen import results
 from shardgen.errors import ConfigError, ShardgenError
 from shardgen.results import EngineRequest
 
@@ -143,6 +144,10 @@ class FakeEngine:
     @staticmethod
     def memory_defaults(gpus: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
         return {"max_num_seqs": MAX_NUM_SEQS}
+
+    # a request's parameters, without vLLM (results.py)
+    sampling_params = staticmethod(results.sampling_params)
+    pooling_params = staticmethod(results.pooling_params)
 
     @property
     def running(self) -> bool:

@@ -15,6 +15,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -85,6 +86,46 @@ class EngineRequest:
     params: Any
     lora: Any = None
     row: int | None = None  # the row's index (an engine that acts per row: the fake's refusals)
+
+
+# -- A request's parameters for an engine outside this process's vLLM -------------------------------------
+# vLLM in process gets its own SamplingParams and PoolingParams (engine.make_sampling_params); the fake
+# engine and a server read the same fields by name from these, so that their jobs never import vLLM.
+# SamplingParams' defaults of the fields they read (vllm/sampling_params.py: SamplingParams).
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "n": 1, "max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "ignore_eos": False,
+    "min_tokens": 0, "stop": None, "stop_token_ids": None, "skip_special_tokens": True,
+    "include_stop_str_in_output": False, "logprobs": None, "logprob_token_ids": None, "structured_outputs": None,
+}  # fmt: skip
+# Keys of ``sampling`` that are not a request's fields: the seed is per row (``engine.row_seed``), the
+# reasoning parser an engine argument.
+NOT_REQUEST_FIELDS = frozenset({"seed", "reasoning_parser"})
+
+
+def sampling_params(fields: Mapping[str, Any], choice_token_ids: Sequence[int] | None = None) -> Any:
+    """A request's sampling as attributes, SamplingParams' fields over its defaults (``structured_outputs``
+    a namespace of its own; ``choice_token_ids`` as ``logprob_token_ids``), for the fake engine and a
+    server (``engine.make_sampling_params`` for vLLM).
+
+    Raises:
+        ValueError: a count or a temperature that no engine takes (vLLM's own words for them).
+    """
+    values = {**SAMPLING_DEFAULTS, **{k: v for k, v in fields.items() if k not in NOT_REQUEST_FIELDS and v is not None}}
+    for name, least in (("n", 1), ("max_tokens", 1), ("temperature", 0.0), ("logprobs", 0)):
+        value = values[name]
+        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or value < least):
+            raise ValueError(f"{name} must be at least {least}, got {value!r}.")
+    if values["structured_outputs"]:
+        values["structured_outputs"] = SimpleNamespace(**values["structured_outputs"])
+    if choice_token_ids:
+        values["logprob_token_ids"] = list(choice_token_ids)
+    return SimpleNamespace(**values)
+
+
+def pooling_params(task: str, use_activation: bool | None, dimensions: int | None) -> Any:
+    """A pooling request's parameters as attributes (``engine.make_pooling_params`` for vLLM)."""
+    return SimpleNamespace(task=task, use_activation=use_activation, dimensions=dimensions)
 
 
 @dataclass

@@ -607,10 +607,8 @@ class RolloutTask(tasks.GenerateTask):
         if self.parser.keeps_special_tokens and "skip_special_tokens" not in config.sampling:
             extra["skip_special_tokens"] = False
         if extra:
-            from shardgen.engine import make_sampling_params
-
             self.run_sampling = {**self.run_sampling, **extra}
-            self.sampling = make_sampling_params(self.run_sampling)
+            self.sampling = self.make_params(self.run_sampling)
         self.processes = self.rollout.get("tool_processes") or max(2, len(os.sched_getaffinity(0)))
         self.conversations: dict[int, Conversation] = {}
 

@@ -36,7 +36,6 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shardgen.engine import make_sampling_params
 from shardgen.errors import RowError
 
 # OpenAI's name -> the sampling key (vLLM's name) a row's value replaces
@@ -196,14 +195,17 @@ def sampling_params(
     choice_token_ids: list[int] | None = None,
     *,
     own_n: bool = False,
+    make: Callable[[Mapping[str, Any], list[int] | None], Any],
 ):
-    """vLLM's ``SamplingParams`` of a row whose ``column`` holds ``value``, and the row's own seed (None:
-    the run's rule). Built anew, so that what vLLM derives from a field (the stop strings' buffer)
-    follows the row's value, and checked by vLLM itself.
+    """The sampling parameters of a row whose ``column`` holds ``value``, and the row's own seed (None:
+    the run's rule). Built anew by the engine kind's ``make`` (vLLM's ``SamplingParams`` in process), so
+    that what vLLM derives from a field (the stop strings' buffer) follows the row's value, and checked
+    by the engine's own checks.
 
     Args:
         choice_token_ids: ``output.choice_probs``' tokens, which take the log-probabilities.
         own_n: whether the row may have its own ``n`` (``output.samples: list``).
+        make: the engine kind's ``sampling_params`` (``engine.Engine.sampling_params``).
 
     Raises:
         RowError: naming the column and field.
@@ -214,6 +216,6 @@ def sampling_params(
         raise RowError(REASON, f"{column}.logprobs: output.choice_probs takes the log-probabilities of this run")
     seed = given.get("seed")
     try:
-        return make_sampling_params(sampling, choice_token_ids), seed
-    except (ValueError, TypeError) as e:  # vLLM's own checks (SamplingParams._verify_args)
+        return make(sampling, choice_token_ids), seed
+    except (ValueError, TypeError) as e:  # the engine's own checks (vLLM's: SamplingParams._verify_args)
         raise RowError(REASON, f"{column}: {e}") from None

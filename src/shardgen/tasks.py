@@ -199,7 +199,9 @@ class GenerateTask(Task):
             self.splitter = reasoning.Splitter.of(name, tokenizer.hf, config.prompt.chat_template_kwargs)
             if self.splitter.keep_special_tokens and "skip_special_tokens" not in config.sampling:
                 self.run_sampling = {**config.sampling, "skip_special_tokens": False}
-        self.sampling = eng.make_sampling_params(self.run_sampling, self.spec.choice_token_ids)
+        # the engine kind's parameters: vLLM's SamplingParams in process, plain attributes for the others
+        self.make_params = eng.KINDS[config.engine.kind].sampling_params
+        self.sampling = self.make_params(self.run_sampling, self.spec.choice_token_ids)
         self.seed = config.sampling.seed
         self.id_column = config.input.id_column
         self.sampling_column = config.input.sampling_column
@@ -225,7 +227,7 @@ class GenerateTask(Task):
         if self.sampling_column and row.get(self.sampling_column) is not None:  # input.sampling_column
             params, own_seed = rowsampling.sampling_params(
                 self.run_sampling, row[self.sampling_column], self.sampling_column, self.spec.choice_token_ids,
-                own_n=self.spec.as_list,
+                own_n=self.spec.as_list, make=self.make_params,
             )  # fmt: skip
         else:
             params = copy.copy(self.sampling)
@@ -369,9 +371,10 @@ class PoolingTask(Task):
         pooling = config.pooling
         self.use_activation = pooling.use_activation if pooling.use_activation is not None else self.activation
         self.dimensions = pooling.dimensions
+        self.make_params = eng.KINDS[config.engine.kind].pooling_params
 
     def params(self, index: int, row: dict[str, Any]) -> Any:
-        return eng.make_pooling_params(self.vllm_task, self.use_activation, self.dimensions)
+        return self.make_params(self.vllm_task, self.use_activation, self.dimensions)
 
     def finish(self, row: dict[str, Any], completion: Completion) -> Finished:
         data = completion.output.outputs.data.tolist()

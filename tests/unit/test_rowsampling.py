@@ -6,9 +6,18 @@ from __future__ import annotations
 import pytest
 
 from shardgen import config as cfg
+from shardgen import rowsampling
+from shardgen.engine import make_sampling_params
 from shardgen.errors import ConfigError, RowError
-from shardgen.rowsampling import overrides, row_logprobs, row_sampling, sampling_params
+from shardgen.results import sampling_params as plain_sampling_params
+from shardgen.rowsampling import overrides, row_logprobs, row_sampling
 from tests.conftest import TEST_MODEL_CFG
+
+
+def sampling_params(*args, **kwargs):
+    """A row's params as the vLLM engine makes them (vLLM's own checks)."""
+    return rowsampling.sampling_params(*args, **kwargs, make=make_sampling_params)
+
 
 RUN = {"max_tokens": 32, "temperature": 0.0, "n": 1}
 
@@ -128,3 +137,18 @@ def test_the_logprobs_a_writer_expects_of_a_row_are_the_runs_without_a_value_and
 def test_a_rows_logprobs_in_a_run_whose_choice_probs_take_them_are_refused():
     with pytest.raises(RowError, match="p.logprobs: output.choice_probs takes the log-probabilities"):
         sampling_params(RUN, {"logprobs": True}, "p", [11, 12])
+
+
+def test_the_fake_engine_and_a_server_get_the_rows_fields_as_attributes_and_the_counts_no_engine_takes_refused():
+    """Their jobs never import vLLM: the same fields by name, over SamplingParams' defaults."""
+    params, seed = rowsampling.sampling_params(RUN, {"max_tokens": 3, "stop": ["\n"], "seed": 11, "top_p": 0.5}, "p",
+                                               [7, 8], make=plain_sampling_params)  # fmt: skip
+    assert (params.max_tokens, params.stop, params.top_p, params.n, seed) == (3, ["\n"], 0.5, 1, 11)
+    assert params.logprob_token_ids == [7, 8] and params.seed is None, "the seed is the task's to set"
+    structured = plain_sampling_params({"structured_outputs": {"choice": ["a", "b"]}}).structured_outputs
+    assert structured.choice == ["a", "b"]
+    for field, value in (("max_tokens", 0), ("n", 0), ("temperature", -1), ("logprobs", -2)):
+        with pytest.raises(RowError, match=rf"^invalid_sampling: p\W+{field}\W.*{value}"):
+            rowsampling.sampling_params(RUN, {field: value}, "p", own_n=True, make=plain_sampling_params)
+    with pytest.raises(ValueError, match="max_tokens must be at least 1, got 0"):  # the run's, past the schema
+        plain_sampling_params({"max_tokens": 0})

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from shardgen import server_engine as se
-from shardgen.engine import EngineSettings, make_sampling_params
+from shardgen.engine import EngineSettings
 from shardgen.errors import ConfigError
 from tests.conftest import TEST_MODEL_CFG, base_config, make_rows, write_parquet
 
@@ -61,7 +61,7 @@ def test_a_command_of_ones_own_gets_the_model_host_port_and_key_filled_in_and_is
 
 
 def test_a_request_carries_the_prompts_token_ids_and_its_sampling_under_vllms_names():
-    params = make_sampling_params(
+    params = se.ServerEngine.sampling_params(
         {
             "max_tokens": 12,
             "temperature": 0.5,
