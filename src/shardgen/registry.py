@@ -46,9 +46,9 @@ def _load(features: tuple[str, ...] | None) -> None:
             importlib.import_module(f"shardgen.{name}")
 
 
-class Registry(dict):
-    """A name -> kind registry: registering does not import the features, reading does (every feature,
-    or the ``features`` named: those that fill it, where its readers must stay light)."""
+class _LoadsOnRead:
+    """Reading imports the features that fill it (every feature, or the ``features`` named: those that
+    fill it, where its readers must stay light); registering does not."""
 
     def __init__(self, *args: Any, features: tuple[str, ...] | None = None) -> None:
         super().__init__(*args)
@@ -70,6 +70,14 @@ class Registry(dict):
         _load(self.features)
         return super().__len__()
 
+    def __repr__(self) -> str:
+        _load(self.features)
+        return super().__repr__()
+
+
+class Registry(_LoadsOnRead, dict):
+    """A name -> kind registry (``_LoadsOnRead``)."""
+
     def get(self, key: Any, default: Any = None) -> Any:
         _load(self.features)
         return super().get(key, default)
@@ -86,27 +94,6 @@ class Registry(dict):
         _load(self.features)
         return super().items()
 
-    def __repr__(self) -> str:
-        _load(self.features)
-        return super().__repr__()
 
-
-class Hooks(list):
-    """An ordered list of hooks (checks, resolvers): appending does not import the features, reading does
-    (every feature, or the ``features`` named)."""
-
-    def __init__(self, *args: Any, features: tuple[str, ...] | None = None) -> None:
-        super().__init__(*args)
-        self.features = features
-
-    def __iter__(self):
-        _load(self.features)
-        return super().__iter__()
-
-    def __len__(self) -> int:
-        _load(self.features)
-        return super().__len__()
-
-    def __getitem__(self, index: Any) -> Any:
-        _load(self.features)
-        return super().__getitem__(index)
+class Hooks(_LoadsOnRead, list):
+    """An ordered list of hooks, checks or resolvers (``_LoadsOnRead``)."""
