@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardgen import fetch, gpus, jobenv, jobinfo, kernels, memory, multinode
+from shardgen import fetch, gpus, jobenv, jobinfo, kernels, memory, multinode, results
 from shardgen.errors import RowError, ShardgenError
 from shardgen.installed import version_problem, vllm_build
 from shardgen.registry import Registry
@@ -429,6 +429,38 @@ class Engine:
 
 
 KINDS["vllm"] = Engine
+
+
+class OutsideEngine:
+    """What the engine kinds that are not vLLM in this process share (the fake engine, a server): their
+    requests' parameters without vLLM (``results.sampling_params``), a batch of ``MAX_NUM_SEQS`` where
+    the config sets none, no engine counters, one node."""
+
+    MAX_NUM_SEQS = 256  # the requests a step answers (the fake's), or in flight (a server's)
+    sampling_params = staticmethod(results.sampling_params)
+    pooling_params = staticmethod(results.pooling_params)
+
+    @property
+    def worker_gpus(self) -> dict[str, list[dict[str, Any]]]:
+        return {}
+
+    @property
+    def workers_lost(self) -> str | None:
+        return None
+
+    @classmethod
+    def memory_defaults(cls, gpus: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
+        return {"max_num_seqs": cls.MAX_NUM_SEQS}
+
+    @property
+    def max_num_seqs(self) -> int:
+        return int(self._settings.model.get("max_num_seqs") or self.MAX_NUM_SEQS)
+
+    def counters(self) -> dict[str, float]:
+        return {}
+
+    def memory_settings(self) -> dict[str, Any]:
+        return {"max_num_seqs": self.max_num_seqs}
 
 
 class EngineCounters:

@@ -36,13 +36,10 @@ from typing import Any
 
 from shardgen import config as cfg
 from shardgen import engine as eng
-from shardgen import results
 from shardgen.errors import ConfigError, ShardgenError
 from shardgen.results import EngineRequest
 
 KIND = "fake"
-# The requests answered in one step when the model section sets no max_num_seqs.
-MAX_NUM_SEQS = 256
 # With engine.fake.tokens_per_second, a step answers no more requests than take this long (at least one).
 STEP_SECONDS = 0.2
 # CUDA's message when memory runs out (what memory.failure_kind reads), for engine.fake.out_of_memory_at_start.
@@ -122,7 +119,7 @@ class FakeLogprob:
 
 
 @dataclass
-class FakeEngine:
+class FakeEngine(eng.OutsideEngine):
     """A job's handle on the fake engine (``engine.KINDS["fake"]``), with ``engine.Engine``'s methods.
 
     Args:
@@ -140,14 +137,6 @@ class FakeEngine:
     @classmethod
     def of(cls, config: Any) -> FakeEngine:
         return cls(dict(config.engine.fake))
-
-    @staticmethod
-    def memory_defaults(gpus: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
-        return {"max_num_seqs": MAX_NUM_SEQS}
-
-    # a request's parameters, without vLLM (results.py)
-    sampling_params = staticmethod(results.sampling_params)
-    pooling_params = staticmethod(results.pooling_params)
 
     @property
     def running(self) -> bool:
@@ -171,10 +160,6 @@ class FakeEngine:
             self._settings, self.answered = settings, 0
             self.starts += 1
         return self
-
-    @property
-    def max_num_seqs(self) -> int:
-        return int(self._settings.model.get("max_num_seqs") or MAX_NUM_SEQS)
 
     def tokenizer(self, generates: bool = True, chat_template_kwargs: Any = None) -> eng.Tokenizer:
         return eng.Tokenizer(self._hf, self._max_model_len(), generates, chat_template_kwargs)
@@ -230,17 +215,6 @@ class FakeEngine:
     def close(self, wait: float | None = None) -> None:
         self._queue.clear()
         self._hf = None
-
-    # -- What the job records of its engine -------------------------------------------------------------
-
-    def counters(self) -> dict[str, float]:
-        return {}
-
-    def memory_settings(self) -> dict[str, Any]:
-        return {"max_num_seqs": self.max_num_seqs}
-
-    worker_gpus: dict[str, Any] = field(default_factory=dict)
-    workers_lost: str | None = None
 
     # -- The answers ------------------------------------------------------------------------------------
 

@@ -42,7 +42,6 @@ from typing import Any
 
 from shardgen import config as cfg
 from shardgen import engine as eng
-from shardgen import results
 from shardgen.errors import ConfigError, ShardgenError
 from shardgen.results import EngineRequest
 
@@ -50,8 +49,6 @@ log = logging.getLogger(__name__)
 
 KIND = "server"
 HOST = "127.0.0.1"
-# The requests in flight at once when the model section sets no max_num_seqs (the feed keeps twice as many).
-MAX_NUM_SEQS = 64
 # How often the readiness check looks, and how often it says it still waits.
 POLL_SECONDS, SAY_EVERY_SECONDS = 1.0, 30.0
 # How long a step waits for a request to finish before it returns none (the feed then looks at its stop flag).
@@ -233,13 +230,15 @@ def completion_body(model: str, prompt_token_ids: list[int], params: Any) -> dic
 
 
 @dataclass
-class ServerEngine:
+class ServerEngine(eng.OutsideEngine):
     """A job's handle on a server (``engine.KINDS["server"]``), with ``engine.Engine``'s methods.
 
     Args:
         server: the config's ``engine.server``.
     """
 
+    # the requests in flight at once when the model section sets no max_num_seqs (the feed keeps twice as many)
+    MAX_NUM_SEQS = 64
     server: dict[str, Any] = field(default_factory=dict)
     starts: int = 0
     url: str | None = None
@@ -257,21 +256,9 @@ class ServerEngine:
     def of(cls, config: Any) -> ServerEngine:
         return cls(dict(config.engine.server))
 
-    @staticmethod
-    def memory_defaults(gpus: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
-        return {"max_num_seqs": MAX_NUM_SEQS}
-
-    # a request's parameters, without vLLM (results.py)
-    sampling_params = staticmethod(results.sampling_params)
-    pooling_params = staticmethod(results.pooling_params)
-
     @property
     def running(self) -> bool:
         return self._client is not None
-
-    @property
-    def max_num_seqs(self) -> int:
-        return int(self._settings.model.get("max_num_seqs") or MAX_NUM_SEQS)
 
     def start(self, settings: eng.EngineSettings) -> ServerEngine:
         """Start the server (or reach ``engine.server.url``) and wait until it answers; load the model's
@@ -443,17 +430,6 @@ class ServerEngine:
             except ProcessLookupError:
                 pass
         self._process = None
-
-    # -- What the job records of its engine -------------------------------------------------------------
-
-    def counters(self) -> dict[str, float]:
-        return {}
-
-    def memory_settings(self) -> dict[str, Any]:
-        return {"max_num_seqs": self.max_num_seqs}
-
-    worker_gpus: dict[str, Any] = field(default_factory=dict)
-    workers_lost: str | None = None
 
 
 # -- What a server run can serve, checked when the run plans ----------------------------------------------
