@@ -96,4 +96,20 @@ class Registry(_LoadsOnRead, dict):
 
 
 class Hooks(_LoadsOnRead, list):
-    """An ordered list of hooks, checks or resolvers (``_LoadsOnRead``)."""
+    """A list of hooks, checks or resolvers (``_LoadsOnRead``), read in the order of ``shardgen.FEATURES``
+    (the core's own first, then each feature's in the order it registered them), whichever feature was
+    imported first: a config with two mistakes is told the same one in every process."""
+
+    def _ordered(self) -> list[Any]:
+        import shardgen
+
+        rank = {f"shardgen.{name}": i for i, name in enumerate(shardgen.FEATURES)}
+        return sorted(list.__iter__(self), key=lambda hook: rank.get(getattr(hook, "__module__", ""), -1))
+
+    def __iter__(self):
+        _load(self.features)
+        return iter(self._ordered())
+
+    def __getitem__(self, index: Any) -> Any:
+        _load(self.features)
+        return self._ordered()[index]

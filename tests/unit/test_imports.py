@@ -41,3 +41,14 @@ def test_shardgen_status_reads_a_run_without_pyarrow_or_the_features_it_does_not
 def test_the_first_read_of_a_registry_imports_every_feature():
     modules = imported_after("from shardgen import config\nassert 'steps' in config.RUN_MODES")
     assert {f"shardgen.{f}" for f in __import__("shardgen").FEATURES} <= set(modules)
+
+
+def test_the_features_checks_run_in_one_order_whichever_feature_was_imported_first():
+    """functions' check before prompts', as shardgen.FEATURES lists them, though prompts is imported first."""
+    code = (
+        "import json\nfrom shardgen import prompts\nfrom shardgen import config\n"
+        "print(json.dumps([h.__module__ for h in config.AFTER_CORE]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    modules = json.loads(out.splitlines()[-1])
+    assert modules.index("shardgen.functions") < modules.index("shardgen.prompts"), modules
