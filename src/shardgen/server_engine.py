@@ -35,9 +35,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from shardgen import config as cfg
@@ -223,7 +224,40 @@ def completion_body(model: str, prompt_token_ids: list[int], params: Any) -> dic
         body["structured_outputs"] = {
             name: getattr(structured, name) for name in _STRUCTURED_FIELDS if getattr(structured, name, None)
         }
+    if getattr(params, "logprob_token_ids", None):  # output.choice_probs: the labels' first tokens
+        body["logprob_token_ids"], body["logprobs"] = list(params.logprob_token_ids), 0
+    elif getattr(params, "logprobs", None) is not None:
+        body["logprobs"] = params.logprobs
+    if "logprobs" in body:  # each position's tokens by id, not by text (vLLM's field)
+        body["return_tokens_as_token_ids"] = True
     return body
+
+
+class TokensByText(ValueError):
+    """A server's log-probabilities that name tokens by their text (it ignored return_tokens_as_token_ids)."""
+
+
+def position_logprobs(answer: Mapping[str, Any] | None, decode: Callable[[int], str]) -> list[dict[int, Any]] | None:
+    """A choice's ``logprobs`` (OpenAI's completions format, tokens as ``token_id:N``) as vLLM's
+    ``CompletionOutput.logprobs``: per position, token id -> its log-probability and text, the sampled
+    token's and the top ones' (vllm/entrypoints/openai/completion/serving.py:
+    ``_create_completion_logprobs``, which writes -inf as -9999.0).
+
+    Raises:
+        TokensByText: a token named otherwise.
+    """
+    if not answer or answer.get("top_logprobs") is None:
+        return None
+    positions = []
+    for top in answer["top_logprobs"]:
+        entry = {}
+        for key, logprob in (top or {}).items():
+            if not key.startswith("token_id:"):
+                raise TokensByText(f"the server names its log-probabilities' tokens by text ({key!r}), not by id")
+            token = int(key.removeprefix("token_id:"))
+            entry[token] = SimpleNamespace(logprob=logprob, rank=None, decoded_token=decode(token))
+        positions.append(entry)
+    return positions
 
 
 # -- The engine ----------------------------------------------------------------------------------------
@@ -399,12 +433,20 @@ class ServerEngine(eng.OutsideEngine):
             if "error" in answer:
                 out.append(ServerOutput(request_id, ids, [], error=answer["error"]))
                 continue
-            samples = [
-                ServerSample(c["index"], c["text"], c.get("token_ids") or [], c["finish_reason"], c.get("stop_reason"))
-                for c in sorted(answer["choices"], key=lambda c: c["index"])
-            ]
+            try:
+                samples = [
+                    ServerSample(c["index"], c["text"], c.get("token_ids") or [], c["finish_reason"],
+                                 c.get("stop_reason"), position_logprobs(c.get("logprobs"), self._decode))
+                    for c in sorted(answer["choices"], key=lambda c: c["index"])
+                ]  # fmt: skip
+            except TokensByText as e:
+                out.append(ServerOutput(request_id, ids, [], error=str(e)))
+                continue
             out.append(ServerOutput(request_id, ids, samples))
         return out
+
+    def _decode(self, token: int) -> str:
+        return self._hf.decode([token])
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop requests: those not sent yet are not sent; the answers of those sent are ignored."""
@@ -463,25 +505,30 @@ def check_config(config: dict[str, Any]) -> None:
     refused = []
     if task.name != "generate" or not task.uses_engine:
         refused.append(f"task: {task.name}")
-    if config.get("rollout"):
-        refused.append("rollout")
     if (config.get("lora") or {}).get("adapters"):
         refused.append("lora.adapters")
     if (config.get("prompt") or {}).get("images"):
         refused.append("prompt.images")
     sampling = config.get("sampling") or {}
-    for key in ("logprobs", "prompt_logprobs", "reasoning_parser", "thinking_token_budget"):
+    for key in ("prompt_logprobs", "reasoning_parser", "thinking_token_budget"):
         if sampling.get(key) is not None:
             refused.append(f"sampling.{key}")
-    if (config.get("output") or {}).get("choice_probs"):
-        refused.append("output.choice_probs")
-    if sampling.get("structured_outputs") and server.get("preset") not in (None, "vllm"):
-        # SGLang names them json_schema, regex and ebnf (python/sglang/srt/entrypoints/openai/protocol.py)
-        refused.append(f"sampling.structured_outputs on preset {server['preset']} (vLLM's field names)")
+    other = server.get("preset") not in (None, "vllm")  # a preset of another engine (url, command: any server)
+    if other:
+        # vLLM's request fields: SGLang names structured outputs json_schema, regex and ebnf
+        # (python/sglang/srt/entrypoints/openai/protocol.py), and no other preset's server takes
+        # return_tokens_as_token_ids or logprob_token_ids; a rollout's required calls are structured outputs
+        for key, given in (("sampling.structured_outputs", sampling.get("structured_outputs")),
+                           ("sampling.logprobs", sampling.get("logprobs") is not None),
+                           ("output.choice_probs", (config.get("output") or {}).get("choice_probs")),
+                           ("rollout", config.get("rollout"))):  # fmt: skip
+            if given:
+                refused.append(f"{key} on preset {server['preset']} (vLLM's request fields)")
     if refused:
         raise ConfigError(
             f"engine.kind: server does not serve {', '.join(refused)} yet (it serves text generation with the "
-            "sampling settings, structured outputs and n samples): use engine.kind: vllm"
+            "sampling settings, n samples, and on vLLM's server structured outputs, log-probabilities, "
+            "output.choice_probs and rollouts): use engine.kind: vllm"
         )
 
 

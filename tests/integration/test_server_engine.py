@@ -24,16 +24,31 @@ pytestmark = pytest.mark.engine
 
 ROWS = 12
 TOO_LONG = 3  # its own max_tokens is more than the context: the server refuses it (vLLM's own check)
+LOGPROBS = 5  # asks for the log-probabilities of its tokens and of the 2 likeliest at each position
+CAPITAL = """\
+def capital(country: str) -> dict:
+    \"\"\"The capital of a country.
+
+    Args:
+        country: the country, in lower case
+    \"\"\"
+    return {"capital": {"france": "Paris", "italy": "Rome", "norway": "Oslo"}.get(country, "unknown")}
+"""
 
 
 def shard(tmp_path, name: str, engine_handle, **engine_section):
     rows = make_rows(ROWS)
     for i, row in enumerate(rows):
-        row["sampling"] = json.dumps({"max_tokens": 5000 if i == TOO_LONG else 12})
+        row["sampling"] = json.dumps({"max_tokens": 5000 if i == TOO_LONG else 12}
+                                     | ({"logprobs": True, "top_logprobs": 2} if i == LOGPROBS else {}))  # fmt: skip
     data = write_parquet(tmp_path / "in.parquet", rows)
     work = tmp_path / name
     config = base_config({"parquet": [str(data)], "sampling_column": "sampling"}, shards={"rows_per_shard": ROWS},
                          output={"dir": str(work)}, errors={"max_rate": 0.2}, **engine_section)  # fmt: skip
+    return run(config, work, engine_handle)
+
+
+def run(config, work, engine_handle):
     write_manifest(config, work / "m.json")
     run_shard(config, work / "m.json", "00000", work / "s.parquet", work / "s.json", JobContext(engine_handle))
     return pq.read_table(work / "s.parquet").to_pylist(), json.loads((work / "s.json").read_text())
@@ -98,6 +113,41 @@ def test_a_slurm_run_on_a_vllm_server_its_job_starts_gives_the_in_process_genera
     assert stats["rows"] == ROWS and stats["errors"] == 1 and stats["output_tokens_per_s"] > 0, stats
 
 
+def same_logprobs(served: list, in_process: list) -> bool:
+    """The same tokens at each position, most likely first, with the same log-probabilities (to 1e-3)."""
+    pairs = list(zip(served, in_process, strict=True))
+    return all(
+        [x["token_id"] for x in a] == [y["token_id"] for y in b]
+        and all(abs(x["logprob"] - y["logprob"]) < 1e-3 for x, y in zip(a, b, strict=True))
+        for a, b in pairs
+    )
+
+
+def labelled(tmp_path, name: str, engine_handle, **engine_section):
+    """A run of labels with their probabilities (structured outputs' choice, output.choice_probs)."""
+    data = write_parquet(tmp_path / "labels.parquet", make_rows(4))
+    config = base_config({"parquet": [str(data)]}, output={"dir": str(tmp_path / name), "choice_probs": True},
+                         sampling={"temperature": 0.0, "max_tokens": 8,
+                                   "structured_outputs": {"choice": ["yes", "no", "maybe"]}},
+                         **engine_section)  # fmt: skip
+    return run(config, tmp_path / name, engine_handle)[0]
+
+
+def rollout(tmp_path, name: str, engine_handle, **engine_section):
+    """A rollout whose every turn is a call of one tool (tool_choice: required), two turns a row."""
+    (tmp_path / "capital.py").write_text(CAPITAL)
+    rows = [{"id": f"r{i}", "country": c} for i, c in enumerate(["france", "italy", "norway"])]
+    data = write_parquet(tmp_path / "countries.parquet", rows)
+    tools = [{"path": str(tmp_path / "capital.py"), "name": "capital"}]
+    config = base_config({"parquet": [str(data)], "id_column": "id"}, output={"dir": str(tmp_path / name)},
+                         prompt={"template": "Use the tool: what is the capital of {{ country }}?"},
+                         sampling={"temperature": 0.0, "max_tokens": 96},
+                         rollout={"max_turns": 2, "tools": tools, "tool_choice": "required",
+                                  "parallel_tool_calls": False},
+                         **engine_section)  # fmt: skip
+    return run(config, tmp_path / name, engine_handle)[0]
+
+
 def test_a_vllm_server_the_job_starts_gives_the_in_process_generations_and_listens_on_loopback_only(
     tmp_path, engine, monkeypatch
 ):
@@ -125,6 +175,23 @@ def test_a_vllm_server_the_job_starts_gives_the_in_process_generations_and_liste
         again, _ = shard(tmp_path, "reached", reached, engine={"kind": "server",
                          "server": {"url": server.url, "api_key_env": "SERVER_KEY"}})  # fmt: skip
         assert [r["generation"] for r in again] == [r["generation"] for r in served]
+        # log-probabilities by token id (return_tokens_as_token_ids), as vLLM gives them in process
+        assert again[LOGPROBS]["logprobs"] and same_logprobs(
+            again[LOGPROBS]["logprobs"], in_process[LOGPROBS]["logprobs"]
+        )
+        reach = {"kind": "server", "server": {"url": server.url, "api_key_env": "SERVER_KEY"}}
+        # the labels' probabilities (logprob_token_ids), and a rollout's conversations, as in process
+        labels = labelled(tmp_path, "labels-served", ServerEngine(reach["server"]), engine=reach)
+
+        def probs(rows):
+            return [(r["label"], {k: round(p, 3) for k, p in r["choice_probs"].items()}) for r in rows]
+
+        assert probs(labels) == probs(labelled(tmp_path, "labels", engine))
+        talks = rollout(tmp_path, "rollout-served", ServerEngine(reach["server"]), engine=reach)
+        assert all(r["error"] is None and r["turns"] == 2 for r in talks), [
+            (r["error"], r["turns"], r["finish_reason"]) for r in talks
+        ]
+        assert [r["messages"] for r in talks] == [r["messages"] for r in rollout(tmp_path, "rollout", engine)]
         monkeypatch.setenv("SERVER_KEY", "wrong")
         with pytest.raises(ServerFailed, match=r"refused the API key \(HTTP 401\) in \$SERVER_KEY"):
             shard(tmp_path, "wrong-key", ServerEngine({"url": server.url, "api_key_env": "SERVER_KEY"}),

@@ -86,17 +86,35 @@ def plan_config(tmp_path, **overrides):
 
 
 @pytest.mark.parametrize(
-    ("overrides", "named"),
+    ("preset", "overrides", "named"),
     [
-        ({"task": "embed", "sampling": {}}, "task: embed"),
-        ({"sampling": {"max_tokens": 4, "logprobs": 2}}, "sampling.logprobs"),
-        ({"output": {"choice_probs": True}, "sampling": {"structured_outputs": {"choice": ["a", "b"]}}},
-         "output.choice_probs"),
+        ("vllm", {"task": "embed", "sampling": {}}, "task: embed"),
+        ("vllm", {"sampling": {"max_tokens": 4, "reasoning_parser": "deepseek_r1"}}, "sampling.reasoning_parser"),
+        ("sglang", {"sampling": {"max_tokens": 4, "logprobs": 2}}, "sampling.logprobs on preset sglang"),
+        ("lmdeploy", {"output": {"choice_probs": True}, "sampling": {"structured_outputs": {"choice": ["a", "b"]}}},
+         "sampling.structured_outputs on preset lmdeploy .*, output.choice_probs on preset lmdeploy"),
     ],
 )  # fmt: skip
-def test_what_a_server_does_not_serve_yet_is_refused_when_the_run_plans_naming_the_key(tmp_path, overrides, named):
+def test_what_a_server_does_not_serve_yet_is_refused_when_the_run_plans_naming_the_key(
+    tmp_path, preset, overrides, named
+):
     with pytest.raises(ConfigError, match=f"engine.kind: server does not serve {named}"):
-        plan_config(tmp_path, engine={"kind": "server", "server": {"preset": "vllm"}}, **overrides)
+        plan_config(tmp_path, engine={"kind": "server", "server": {"preset": preset}}, **overrides)
+
+
+def test_vllms_server_is_asked_for_log_probabilities_by_token_id_and_its_answer_read_as_vllms_own():
+    params = se.ServerEngine.sampling_params({"max_tokens": 2, "logprobs": 1})
+    body = se.completion_body("m", [1], params)
+    assert (body["logprobs"], body["return_tokens_as_token_ids"]) == (1, True) and "logprob_token_ids" not in body
+    labels = se.completion_body("m", [1], se.ServerEngine.sampling_params({"max_tokens": 1}, [5, 6]))
+    assert (labels["logprob_token_ids"], labels["logprobs"], labels["return_tokens_as_token_ids"]) == ([5, 6], 0, True)
+    answer = {"top_logprobs": [{"token_id:7": -0.1, "token_id:3": -2.5}, {"token_id:9": -9999.0}]}
+    positions = se.position_logprobs(answer, lambda t: f"<{t}>")
+    assert [list(p) for p in positions] == [[7, 3], [9]]
+    assert (positions[0][3].logprob, positions[0][3].decoded_token, positions[0][3].rank) == (-2.5, "<3>", None)
+    assert se.position_logprobs(None, str) is None
+    with pytest.raises(se.TokensByText, match="by text"):
+        se.position_logprobs({"top_logprobs": [{" the": -0.1}]}, str)
 
 
 def test_a_server_is_one_of_preset_command_or_url_and_its_key_comes_from_the_environment(tmp_path):
