@@ -244,7 +244,7 @@ def test_a_batch_file_that_cannot_be_served_is_refused_when_planning_naming_file
 def test_a_request_that_is_not_valid_becomes_that_rows_error_naming_the_field():
     from shardgen.errors import RowError
     from shardgen.feed import RowInputs
-    from shardgen.openai_batch import OpenAIBatchSource, request_row
+    from shardgen.openai_batch.requests_in import OpenAIBatchSource, request_row
 
     def row(r: dict) -> dict:
         return request_row(json.dumps(r).encode())
@@ -294,7 +294,7 @@ def test_a_chat_requests_prompt_and_sampling_are_what_vllms_server_makes_of_it_o
     """As vLLM 0.32's OpenAI server reads the same request: text parts joined with a newline, and
     max_completion_tokens before max_tokens; a null text part and the message fields the chat template
     would see beside role and content (name, tool_calls, tool_call_id, ...) are the row's error."""
-    from shardgen.openai_batch import request_row
+    from shardgen.openai_batch.requests_in import request_row
     from shardgen.rowsampling import overrides, row_sampling
 
     def row(r: dict) -> dict:
@@ -468,7 +468,8 @@ def test_any_json_in_any_field_is_refused_naming_file_and_line_or_a_row_whose_re
     from shardgen.errors import InputError, RowError
     from shardgen.feed import RowInputs
     from shardgen.manifest import Manifest
-    from shardgen.openai_batch import request_rows, result_line
+    from shardgen.openai_batch.requests_in import request_rows
+    from shardgen.openai_batch.results_out import result_line
     from shardgen.plan import build_manifest
     from shardgen.prompts import PromptRenderer
 
@@ -532,7 +533,7 @@ def test_a_score_or_rerank_request_is_a_row_per_pair_across_blocks_shards_and_fi
     from shardgen.manifest import Manifest
     from shardgen.plan import build_manifest
 
-    many = [f"doc {j}" for j in range(3 * openai_batch.BATCH_BLOCK // 2)]  # a line of rows over two blocks
+    many = [f"doc {j}" for j in range(3 * openai_batch.requests_in.BATCH_BLOCK // 2)]  # a line of rows over two blocks
     paths = [batch_file(tmp_path / "a.jsonl", [score_request(0, text_1="q0", text_2=["a", "b"]),
                                               score_request(1, "/v1/rerank", query="q1", documents=many, top_n=2),
                                               score_request(2, "/v1/score", queries=["x", "y"], documents=["z", "w"])]),
@@ -573,14 +574,14 @@ def test_a_score_or_rerank_request_is_a_row_per_pair_across_blocks_shards_and_fi
     ],
 )
 def test_a_score_or_rerank_request_that_is_not_valid_is_one_row_whose_error_names_the_field(url, body, said):
-    from shardgen.openai_batch import request_rows
+    from shardgen.openai_batch.requests_in import request_rows
 
     (row,) = request_rows(json.dumps({"custom_id": "c", "url": url, "body": body}).encode(), pairs=True)
     assert row["request_error"].startswith(said) and row["pair"] is None
 
 
 def test_score_fields_that_change_nothing_or_keep_vllms_default_are_served():
-    from shardgen.openai_batch import request_rows
+    from shardgen.openai_batch.requests_in import request_rows
 
     body = {"text_1": "q", "text_2": "a", "user": "u", "priority": 0, "max_tokens_per_query": 0,
             "use_activation": None, "chat_template_kwargs": {}}  # fmt: skip
@@ -592,7 +593,7 @@ def test_the_score_fields_are_those_of_vllms_score_and_rerank_requests():
     """Every field vLLM's requests take is a text, ignored, or served at its default: none unnoticed."""
     from vllm.entrypoints.pooling.scoring import protocol
 
-    from shardgen.openai_batch import RERANK_TEXTS, SCORE_DEFAULTS, SCORE_IGNORED, SCORE_TEXTS
+    from shardgen.openai_batch.requests_in import RERANK_TEXTS, SCORE_DEFAULTS, SCORE_IGNORED, SCORE_TEXTS
 
     common = SCORE_IGNORED | set(SCORE_DEFAULTS)
     forms = [protocol.ScoreQueriesDocumentsRequest, protocol.ScoreQueriesItemsRequest, protocol.ScoreDataRequest,
@@ -606,7 +607,7 @@ def test_the_score_fields_are_those_of_vllms_score_and_rerank_requests():
 def test_a_score_run_serves_score_and_rerank_urls_and_refuses_the_others_as_its_rows_errors():
     from shardgen.errors import RowError
     from shardgen.feed import RowInputs
-    from shardgen.openai_batch import OpenAIBatchSource, request_rows, served_urls
+    from shardgen.openai_batch.requests_in import OpenAIBatchSource, request_rows, served_urls
 
     config = score_config(["x.jsonl"])
     source = OpenAIBatchSource([], pairs=True)

@@ -217,7 +217,7 @@ def test_the_example_s_calculator_has_a_schema_from_its_docstring_and_computes_o
 def test_a_rollout_s_openai_batch_response_is_its_last_assistant_message():
     from openai.types.chat import ChatCompletion
 
-    from shardgen.openai_batch import result_line
+    from shardgen.openai_batch.results_out import result_line
 
     call = {"id": "call_0_2_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
     messages = [{"role": "user", "content": "Add."}, {"role": "assistant", "content": None, "tool_calls": [call]},

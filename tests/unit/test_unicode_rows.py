@@ -118,8 +118,8 @@ def test_no_text_fails_a_flush_whichever_writer_made_it(tmp_path, text):
     # an OpenAI batch request line: a row Arrow holds, or that row's request error
     line = json.dumps({"custom_id": "r", "url": "/v1/chat/completions",
                        "body": {"messages": [{"role": "user", "content": text}]}}).encode()  # fmt: skip
-    request = openai_batch.request_row(line)
-    (back,) = pa.Table.from_pylist([request], schema=openai_batch.BATCH_SCHEMA).to_pylist()
+    request = openai_batch.requests_in.request_row(line)
+    (back,) = pa.Table.from_pylist([request], schema=openai_batch.requests_in.BATCH_SCHEMA).to_pylist()
     if lone_surrogate(read) is None:
         assert back["messages"] == [{"role": "user", "content": read}] and back["request_error"] is None
     else:
