@@ -125,19 +125,19 @@ def loop_side(engine: Engine, config: RunConfig, size: Size) -> dict[str, Any]:
     """Turn by turn over the whole batch: ``LLM.generate`` on every live row, then every call, waited for."""
     rollout = config.raw["rollout"]
     tokenizer = engine.tokenizer(True, config.template_kwargs)
-    task = rollouts.RolloutTask(config, tokenizer)  # the same SamplingParams and call parser as shardgen's
+    task = rollouts.task.RolloutTask(config, tokenizer)  # the same SamplingParams and call parser as shardgen's
     renderer = PromptRenderer.from_config(config.prompt)
     rows = pq.read_table(config.raw["input"]["parquet"][0]).to_pylist()
     conversations = [list(renderer.render(r)) for r in rows]
     live = list(range(len(rows)))
-    pool = rollouts.tool_pool(rollout, size.processes)
+    pool = rollouts.tools.tool_pool(rollout, size.processes)
     idle = turns = calls = 0
     t = time.perf_counter()
     try:
         for turn in range(1, size.turns + 1):
             if not live:
                 break
-            ids = tokenizer.encode_batch([rollouts.template_messages(conversations[i]) for i in live])
+            ids = tokenizer.encode_batch([rollouts.calls.template_messages(conversations[i]) for i in live])
             prompts = [{"prompt_token_ids": x} for x in ids]
             outs = engine.llm.generate(prompts, task.sampling, use_tqdm=False)
             turns += len(live)
@@ -153,7 +153,7 @@ def loop_side(engine: Engine, config: RunConfig, size: Size) -> dict[str, Any]:
                 conversations[i].append(message)
                 for call in message.get("tool_calls", []):
                     future = pool.schedule(
-                        rollouts._call_tool, args=(call["function"]["name"], call["function"]["arguments"])
+                        rollouts.tools._call_tool, args=(call["function"]["name"], call["function"]["arguments"])
                     )
                     pending.append((i, call["id"], future))
             t_tools = time.perf_counter()  # the engine waits for every call of the batch

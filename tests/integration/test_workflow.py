@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardgen.installed import slurm_plugin_problem
-from shardgen.rollouts import ERROR_PREFIX
+from shardgen.rollouts.tools import ERROR_PREFIX
 from shardgen.rundir import RunDir
 from shardgen.steps import DROPPED
 from tests.conftest import ROOT, TEST_MODEL_CFG, make_rows, s3_bucket, write_parquet

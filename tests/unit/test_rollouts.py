@@ -61,7 +61,7 @@ def rollout_config(tmp_path: Path, **rollout: Any) -> dict[str, Any]:
 
 def test_a_rollout_section_makes_a_generate_task_a_rollout_and_refuses_other_tasks(tmp_path):
     config = RunConfig.from_dict(rollout_config(tmp_path))
-    assert config.kind is rollouts.RolloutTask
+    assert config.kind is rollouts.task.RolloutTask
     assert config.raw["rollout"]["max_turns"] == 4 and config.raw["rollout"]["tool_timeout_seconds"] == 10
     assert config.raw["rollout"]["tools"][0]["path"] == str(tmp_path / "tools.py"), "relative to the config file"
     assert [f.name for f in config.kind.columns(config).fields()][-4:] == ["messages", "turns", "tool_calls", "error"]
@@ -117,25 +117,25 @@ def test_the_tools_code_is_in_the_fingerprint_and_their_paths_are_not(tmp_path):
 def test_a_tool_s_schema_comes_from_its_signature_and_docstring_unless_given(tmp_path):
     (tmp_path / "tools.py").write_text(TOOLS)
     path = str(tmp_path / "tools.py")
-    (made,) = rollouts.definitions({"tools": [{"path": path, "name": "add"}]})
+    (made,) = rollouts.tools.definitions({"tools": [{"path": path, "name": "add"}]})
     assert made["function"]["name"] == "add" and made["function"]["description"] == "Add two integers."
     assert made["function"]["parameters"]["required"] == ["a"]
     assert made["function"]["parameters"]["properties"]["b"] == {"type": "integer", "description": "the second integer"}
     with pytest.raises(ConfigError, match=r"rollout.tools\[0\] \(undocumented, .*tools.py, line 14\): no JSON schema"):
-        rollouts.definitions({"tools": [{"path": path, "name": "undocumented"}]})
+        rollouts.tools.definitions({"tools": [{"path": path, "name": "undocumented"}]})
     given = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
-    (ok,) = rollouts.definitions({"tools": [{"path": path, "name": "fails", "schema": given}]})
+    (ok,) = rollouts.tools.definitions({"tools": [{"path": path, "name": "fails", "schema": given}]})
     assert ok["function"]["parameters"] == given
     wrong = {"type": "object", "properties": {"y": {"type": "string"}}}
     with pytest.raises(ConfigError, match=r"the schema has \['y'\], which fails\(\) does not take"):
-        rollouts.definitions({"tools": [{"path": path, "name": "fails", "schema": wrong}]})
+        rollouts.tools.definitions({"tools": [{"path": path, "name": "fails", "schema": wrong}]})
 
 
 def test_the_tools_are_imported_in_a_worker_process_not_in_the_job_s_own(tmp_path):
     # a tool module that loads a large index as it is imported must not hold it in the job's process too
     imported = tmp_path / "imported"
     (tmp_path / "tools.py").write_text(f"import os\nopen({str(imported)!r}, 'a').write(f'{{os.getpid()}}\\n')\n{TOOLS}")
-    (made,) = rollouts.definitions({"tools": [{"path": str(tmp_path / "tools.py"), "name": "add"}]})
+    (made,) = rollouts.tools.definitions({"tools": [{"path": str(tmp_path / "tools.py"), "name": "add"}]})
     assert made["function"]["name"] == "add"
     (pid,) = imported.read_text().split()
     assert int(pid) != os.getpid()
@@ -146,35 +146,35 @@ def test_a_turn_s_calls_are_found_as_vllm_s_server_finds_them():
 
     tools = [{"type": "function", "function": {"name": "add", "description": "",
                                                "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
-    required = rollouts.CallParser({"tool_choice": "required"}, tools, None)
+    required = rollouts.calls.CallParser({"tool_choice": "required"}, tools, None)
     assert required.calls('[{"name": "add", "parameters": {"a": 1}}]') == (None, [("add", '{"a": 1}')])
     assert required.calls('[{"name": "add", "parame') == ('[{"name": "add", "parame', []), "cut: no call"
-    named = rollouts.CallParser({"tool_choice": "add"}, tools, None)
+    named = rollouts.calls.CallParser({"tool_choice": "add"}, tools, None)
     assert named.calls('{"a": 1}') == (None, [("add", '{"a": 1}')])
-    hermes = rollouts.CallParser(
+    hermes = rollouts.calls.CallParser(
         {"tool_choice": "auto", "tool_parser": "hermes"}, tools, AutoTokenizer.from_pretrained(MODEL)
     )
     text = 'Let me add. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
     assert hermes.calls(text) == ("Let me add. ", [("add", '{"a": 1}')]) and hermes.keeps_special_tokens
     assert hermes.calls("Three.") == ("Three.", [])
-    schema = rollouts.structured_schema({"tool_choice": "required"}, tools)
+    schema = rollouts.calls.structured_schema({"tool_choice": "required"}, tools)
     assert schema["type"] == "array" and schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["add"]
-    assert rollouts.structured_schema({"tool_choice": "auto"}, tools) is None
+    assert rollouts.calls.structured_schema({"tool_choice": "auto"}, tools) is None
 
 
 def test_a_call_s_failure_is_the_text_the_model_gets(tmp_path):
     (tmp_path / "tools.py").write_text(TOOLS)
     names = ("add", "fails", "slow", "table")
     spec = {"tools": [{"path": str(tmp_path / "tools.py"), "name": n} for n in names], "tool_timeout_seconds": 1}
-    pool = rollouts.tool_pool(spec, 2)
+    pool = rollouts.tools.tool_pool(spec, 2)
     try:
 
         def call(name: str, args: str) -> tuple[bool, str]:
-            future = pool.schedule(rollouts._call_tool, args=(name, args), timeout=1)
+            future = pool.schedule(rollouts.tools._call_tool, args=(name, args), timeout=1)
             try:
                 return future.result()
             except BaseException as e:  # noqa: BLE001
-                return False, rollouts.failed_call(e, name, 1)
+                return False, rollouts.tools.failed_call(e, name, 1)
 
         assert call("add", '{"a": 40}') == (True, "42")
         assert call("table", '{"x": "y"}') == (True, json.dumps({"x": "y", "items": [1, 2]}))
@@ -197,7 +197,7 @@ def test_the_conversation_goes_to_the_chat_template_with_arguments_as_dicts():
                 {"role": "assistant", "content": None, "reasoning": "I should add.", "tool_calls": [
                     {"id": "call_0_1_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
                 {"role": "tool", "tool_call_id": "call_0_1_0", "content": "3"}]  # fmt: skip
-    shown = rollouts.template_messages(messages)
+    shown = rollouts.calls.template_messages(messages)
     assert shown[1]["content"] == "" and shown[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     assert "reasoning" not in shown[1] and messages[1]["content"] is None, "the conversation itself unchanged"
 
@@ -206,11 +206,11 @@ def test_the_example_s_calculator_has_a_schema_from_its_docstring_and_computes_o
     from tests.conftest import ROOT
 
     spec = {"path": str(ROOT / "config" / "examples" / "calculator.py"), "name": "calculator"}
-    (made,) = rollouts.definitions({"tools": [spec]})
+    (made,) = rollouts.tools.definitions({"tools": [spec]})
     assert made["function"]["parameters"]["required"] == ["expression"]
-    rollouts._init_tools([spec])
-    assert rollouts._call_tool("calculator", json.dumps({"expression": "(3 + 4) * 12 / 5"})) == (True, "16.8")
-    ok, said = rollouts._call_tool("calculator", json.dumps({"expression": "__import__('os').getcwd()"}))
+    rollouts.tools._init_tools([spec])
+    assert rollouts.tools._call_tool("calculator", json.dumps({"expression": "(3 + 4) * 12 / 5"})) == (True, "16.8")
+    ok, said = rollouts.tools._call_tool("calculator", json.dumps({"expression": "__import__('os').getcwd()"}))
     assert not ok and said.startswith("Error: ValueError: not arithmetic")
 
 

@@ -63,14 +63,14 @@ def test_a_function_output_that_is_half_an_emoji_is_its_rows_error_and_the_other
 def test_a_tool_result_that_is_half_an_emoji_reaches_the_model_repaired_and_the_messages_are_saved(tmp_path):
     tool = tmp_path / "tools.py"
     tool.write_text("def half(n: int):\n    return 'x' + chr(0xD83D) * n\n\ndef big():\n    return 'y' * 1000\n")
-    rollouts._init_tools([{"name": "half", "path": str(tool)}, {"name": "big", "path": str(tool)}])
-    ok, text = rollouts._call_tool("half", json.dumps({"n": 1}))
+    rollouts.tools._init_tools([{"name": "half", "path": str(tool)}, {"name": "big", "path": str(tool)}])
+    ok, text = rollouts.tools._call_tool("half", json.dumps({"n": 1}))
     assert ok and text == "x\ufffd"
-    ok, text = rollouts._call_tool("big", "{}", 999)
+    ok, text = rollouts.tools._call_tool("big", "{}", 999)
     assert not ok and "1000 characters, more than the context can hold (999)" in text
-    assert rollouts._call_tool("big", "{}", 1000) == (True, "y" * 1000)
+    assert rollouts.tools._call_tool("big", "{}", 1000) == (True, "y" * 1000)
     # a conversation whose last turn holds such text all the same (a model's own tool-call arguments)
-    spec = rollouts.RolloutSpec({})
+    spec = rollouts.task.RolloutSpec({})
     (row,) = spec.rows(ROW, 0, 3, [Sample("done", "stop", 1)])
     messages = json.dumps([{"role": "tool", "content": f"x{HALF}"}], ensure_ascii=False)
     (out,) = saved(tmp_path, spec, [row | {"messages": messages, "turns": 2, "tool_calls": 1}])
@@ -110,7 +110,7 @@ def test_no_text_fails_a_flush_whichever_writer_made_it(tmp_path, text):
     check(out, "j", json.dumps([text], ensure_ascii=False) if lone_surrogate(text) is None else None, text)
     # a tool's result as the model gets it, then in the conversation
     assert lone_surrogate(repaired_text(text)) is None
-    spec = rollouts.RolloutSpec({})
+    spec = rollouts.task.RolloutSpec({})
     (row,) = spec.rows(ROW, 0, 3, [Sample("ok", "stop", 1)])
     messages = json.dumps([{"role": "tool", "content": repaired_text(text)}], ensure_ascii=False)
     (out,) = saved(tmp_path, spec, [row | {"messages": messages, "turns": 1, "tool_calls": 1}])
