@@ -1,13 +1,13 @@
 """What the prefix order's window costs the prefix cache, without an engine: the order the real feed
-(``feed.prepared_requests``) submits a shard's rows in, through a prefix cache of a fixed size.
+(``feed.requests.prepared_requests``) submits a shard's rows in, through a prefix cache of a fixed size.
 
 Rows are questions about documents, shuffled over the shard (the ``order`` comparison of
 ``bench/throughput.py``, larger): a row's prefix is its document. The cache holds the prefixes of
 the last ``--cache`` documents used (least recently used goes first); a row hits when its
 document is there. Orders of the same shard: ``input``; ``prefix`` with the window of a run
-without elastic workers (``feed.order_window``, 2,048 rows at 512 in flight: the same as before
+without elastic workers (``feed.requests.order_window``, 2,048 rows at 512 in flight: the same as before
 issue 38); ``prefix`` on an elastic worker's piece, which a split may cut, at a few rates (rows
-finished per second: the window is what it finishes in ``feed.ORDER_WINDOW_SECONDS``). The hit rate is
+finished per second: the window is what it finishes in ``feed.requests.ORDER_WINDOW_SECONDS``). The hit rate is
 of rows; the engine's is of prompt tokens, which for long shared documents is close to it.
 
 Usage: python bench/order.py [--cache N] [--out DIR]
@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from common import write_results  # noqa: E402
 
 from shardgen import feed  # noqa: E402
-from shardgen.feed import RowStream, prepared_requests  # noqa: E402
+from shardgen.feed.requests import prepared_requests  # noqa: E402
+from shardgen.feed.shard_loop import RowStream  # noqa: E402
 
 IN_FLIGHT = 512  # the feed's window at max_num_seqs 256 (2 x)
 RATES = (35, 10, 2)  # rows/s of a piece a split may cut
@@ -45,8 +46,8 @@ def submitted(rows: int, questions: int, window: str) -> list[int]:
     renderer = SimpleNamespace(render_batch=lambda batch: [r["doc"] for r in batch])
     tokenizer = SimpleNamespace(encode_batch=lambda ds: [[d, d, d, d, 7] for d in ds])
     task = SimpleNamespace(params=lambda index, row: None)
-    sizes = {"input": None, "prefix": lambda: feed.order_window(IN_FLIGHT)}
-    sizes |= {f"prefix, {r} rows/s": (lambda r=r: feed.order_window(IN_FLIGHT, r)) for r in RATES}
+    sizes = {"input": None, "prefix": lambda: feed.requests.order_window(IN_FLIGHT)}
+    sizes |= {f"prefix, {r} rows/s": (lambda r=r: feed.requests.order_window(IN_FLIGHT, r)) for r in RATES}
     requests = prepared_requests(stream, renderer, tokenizer, task, None, order_window=sizes[window])
     return [r.prompt_token_ids[0] for r in requests]
 
@@ -77,13 +78,15 @@ def main() -> None:
         for order in orders:
             case[order] = round(hit_rate(submitted(rows, questions, order), args.cache), 4)
         cases.append(case)
-    windows = ", ".join(f"{feed.order_window(IN_FLIGHT, r):,} at {r} rows/s" for r in RATES)
+    windows = ", ".join(f"{feed.requests.order_window(IN_FLIGHT, r):,} at {r} rows/s" for r in RATES)
     md = (
         f"Prefix-cache hits by submission order (`python bench/order.py`, no engine): the real feed's order "
-        f"(`feed.prepared_requests`, {IN_FLIGHT} in flight) through a cache of the last {args.cache} documents; "
+        f"(`feed.requests.prepared_requests`, {IN_FLIGHT} in flight) through a cache of the last {args.cache} "
+        "documents; "
         "questions about documents, shuffled over the shard. `prefix`: a run without elastic workers "
-        f"(a window of {feed.order_window(IN_FLIGHT):,}, as before issue 38); `rows/s`: an elastic worker's piece "
-        f"at that rate, which sorts what it finishes in {feed.ORDER_WINDOW_SECONDS:g} s ({windows}). `most`: "
+        f"(a window of {feed.requests.order_window(IN_FLIGHT):,}, as before issue 38); `rows/s`: an elastic worker's "
+        "piece "
+        f"at that rate, which sorts what it finishes in {feed.requests.ORDER_WINDOW_SECONDS:g} s ({windows}). `most`: "
         "every question after a document's first.\n\n"
         f"| shard rows | questions per document | {' | '.join(orders)} | most |\n"
         f"|---|---|{'---|' * len(orders)}---|\n"

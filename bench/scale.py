@@ -661,7 +661,7 @@ class Cluster:
     end_watch_s: float = 90.0  # a worker with no shard left watches the others' claims (1.5 heartbeats)
     split_seconds: float = 60.0  # shards.split_seconds
     held_rows: int = 512  # rows a holder has read and not finished: in flight (2 x max_num_seqs 256)
-    order: str = "input"  # prompt.order: prefix also reads rows ahead to sort them (feed.order_window)
+    order: str = "input"  # prompt.order: prefix also reads rows ahead to sort them (feed.requests.order_window)
 
 
 def simulate(c: Cluster, mode: str, work: list[float]) -> dict[str, Any]:
@@ -739,7 +739,7 @@ def simulate_workers(
     (``splits.cut_point``: the holder keeps the ``c.held_rows`` rows it has read and not finished, and
     half of the rest go), answered within ``splits.POLL_S``; the new piece is taken like a shard. Rows
     read ahead to be sorted (``c.order`` prefix: ``read_ahead``) are read no more once the holder was
-    asked (``feed.ShardFeed._order_window``): they drain as it generates. A shard's work is spread
+    asked (``feed.shard_loop.ShardFeed._order_window``): they drain as it generates. A shard's work is spread
     evenly over its rows."""
     import heapq
 
@@ -852,10 +852,10 @@ def simulate_workers(
 def read_ahead(c: Cluster, rows_left: float, rows_per_s: float) -> float:
     """The rows a holder of ``rows_left`` unfinished rows has read ahead to sort them, beside its requests
     in flight (``c.held_rows``): neither can a split give away (``splits.cut_point``). Prefix order sorts
-    ``feed.order_window`` of them at the piece's rate."""
+    ``feed.requests.order_window`` of them at the piece's rate."""
     if c.order != "prefix":
         return 0.0
-    return min(feed.order_window(c.held_rows, rows_per_s), max(0.0, rows_left - c.held_rows))
+    return min(feed.requests.order_window(c.held_rows, rows_per_s), max(0.0, rows_left - c.held_rows))
 
 
 ORDERS = {  # name: (tail cut by the plan, order the workers take shards in, idle workers split: prompt.order)
@@ -1321,8 +1321,9 @@ def markdown(result: dict[str, Any]) -> str:
                 f"a worker with no shard left asks for a split (`shards.split_seconds` "
                 f"{c['split_seconds']:.0f}; `splits.victim`, `splits.cut_point`: the holder keeps the rows it "
                 f"read, {c['held_rows']:,} in flight, and with `prompt.order: prefix` those read ahead to sort "
-                f"(`feed.order_window`: up to 2,048, and no more than the piece finishes in "
-                f"{feed.ORDER_WINDOW_SECONDS:g} s), read no more once asked; half of the rest go), answered within "
+                f"(`feed.requests.order_window`: up to 2,048, and no more than the piece finishes in "
+                f"{feed.requests.ORDER_WINDOW_SECONDS:g} s), read no more once asked; half of the rest go), "
+                "answered within "
                 f"{splits.POLL_S:g} s; shards of {c['rows_per_shard']:,} rows, the work even over a shard's rows; "
                 "pieces: the pieces splits made and ran. `defaults`: the config a user gets with only "
                 "`shards.workers` set (`bench/scale.py: defaults`, from the package's config: the guided tail, "

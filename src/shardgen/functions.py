@@ -50,7 +50,7 @@ import pyarrow as pa
 from shardgen import config as cfg
 from shardgen import pycode, tasks
 from shardgen.errors import ConfigError, RowError, ShardgenError, error_reason
-from shardgen.feed import ShardLoop, ShardWork
+from shardgen.feed.shard_loop import ShardLoop, ShardWork
 from shardgen.results import DROPPED, RESERVED_COLUMNS, Columns
 from shardgen.stats import AttemptCounters
 

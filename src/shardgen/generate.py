@@ -38,7 +38,8 @@ from shardgen.claims import ClaimLost
 from shardgen.config import RunConfig, warnings
 from shardgen.engine import EngineSettings
 from shardgen.engine import for_config as engine_for
-from shardgen.feed import ErrorBudget, RowInputs, RowStream, ShardFeed, ShardWork
+from shardgen.feed.requests import RowInputs
+from shardgen.feed.shard_loop import ErrorBudget, RowStream, ShardFeed, ShardWork
 from shardgen.identity import shard_fingerprint
 from shardgen.io import Dir, atomic_write_text
 from shardgen.lora import Adapters

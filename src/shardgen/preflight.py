@@ -24,7 +24,7 @@ from shardgen import engine as eng
 from shardgen import heads, jobenv, jobinfo, lora, reasoning, storage
 from shardgen.config import RunConfig, engine_version, warnings
 from shardgen.errors import InputError, RowError, ShardgenError
-from shardgen.feed import Request, RowInputs, prepared_requests
+from shardgen.feed.requests import Request, RowInputs, prepared_requests
 from shardgen.fetch import load_record, resolve_model
 from shardgen.gpus import (
     FP4_WEIGHT_FORMATS,

@@ -17,7 +17,7 @@ from shardgen import engine as eng
 from shardgen.engine import Engine
 from shardgen.errors import InputError
 from shardgen.fake_engine import FakeEngine
-from shardgen.feed import TooManyErrors
+from shardgen.feed.shard_loop import TooManyErrors
 from shardgen.generate import JobContext, run_shard
 from shardgen.outputs import ShardCheckpoint
 from shardgen.plan import write_manifest

@@ -130,7 +130,8 @@ def test_a_feed_stopped_at_a_refused_row_leaves_no_request_it_added_in_the_engin
     consumer stops there (its error budget, a lost claim), those are aborted, not left running."""
     from types import SimpleNamespace
 
-    from shardgen.feed import Feeder, Request
+    from shardgen.feed.engine_loop import Feeder
+    from shardgen.feed.requests import Request
 
     handle = fake_engine.FakeEngine({"reject_rows": [0]}, _settings=SimpleNamespace(model={}))
     params = SimpleNamespace(n=1, max_tokens=4)

@@ -243,7 +243,7 @@ def test_a_batch_file_that_cannot_be_served_is_refused_when_planning_naming_file
 
 def test_a_request_that_is_not_valid_becomes_that_rows_error_naming_the_field():
     from shardgen.errors import RowError
-    from shardgen.feed import RowInputs
+    from shardgen.feed.requests import RowInputs
     from shardgen.openai_batch.requests_in import OpenAIBatchSource, request_row
 
     def row(r: dict) -> dict:
@@ -466,7 +466,7 @@ def test_any_json_in_any_field_is_refused_naming_file_and_line_or_a_row_whose_re
     line is its rows, which a job reads and makes requests of, or each row's error, whatever JSON the
     request's fields hold: never a read that fails the shard on every attempt."""
     from shardgen.errors import InputError, RowError
-    from shardgen.feed import RowInputs
+    from shardgen.feed.requests import RowInputs
     from shardgen.manifest import Manifest
     from shardgen.openai_batch.requests_in import request_rows
     from shardgen.openai_batch.results_out import result_line
@@ -606,7 +606,7 @@ def test_the_score_fields_are_those_of_vllms_score_and_rerank_requests():
 
 def test_a_score_run_serves_score_and_rerank_urls_and_refuses_the_others_as_its_rows_errors():
     from shardgen.errors import RowError
-    from shardgen.feed import RowInputs
+    from shardgen.feed.requests import RowInputs
     from shardgen.openai_batch.requests_in import OpenAIBatchSource, request_rows, served_urls
 
     config = score_config(["x.jsonl"])

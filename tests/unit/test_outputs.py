@@ -86,7 +86,7 @@ def test_commit_refuses_an_incomplete_shard(tmp_path):
 
 
 def test_the_error_budget_fails_as_soon_as_the_final_rate_must_exceed_the_limit():
-    from shardgen.feed import ErrorBudget, TooManyErrors
+    from shardgen.feed.shard_loop import ErrorBudget, TooManyErrors
 
     budget = ErrorBudget("00007", rows=20, max_rate=0.1)  # 2 errors allowed
     budget.add(3, "null_value: column 'x' is null")

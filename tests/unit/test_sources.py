@@ -187,7 +187,7 @@ def test_a_source_kinds_row_checks_and_dropped_rows_reach_the_feed_which_names_n
 
     from shardgen import sources
     from shardgen.errors import RowError
-    from shardgen.feed import RowInputs, prepared_requests
+    from shardgen.feed.requests import RowInputs, prepared_requests
 
     def row_check(config):
         def check(row):

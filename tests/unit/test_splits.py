@@ -17,7 +17,7 @@ from shardgen import feed, generate, records, splits
 from shardgen.claims import Claim, ClaimBoard, ClaimLost, Holder
 from shardgen.config import RunConfig
 from shardgen.engine import EngineSettings
-from shardgen.feed import RowStream, ShardFeed, ShardWork
+from shardgen.feed.shard_loop import RowStream, ShardFeed, ShardWork
 from shardgen.manifest import Manifest, Segment, Shard
 from shardgen.rundir import RunDir
 from shardgen.stats import AttemptCounters
@@ -55,7 +55,7 @@ def test_a_cut_gives_half_of_the_unfinished_rows_never_a_row_read_and_the_slowes
     assert splits.seconds_left(progress) == 150.0  # 20 rows in 100 s; 30 left
 
 
-# -- The holder as it runs: the real shard job (generate.ShardJob) and feed (feed.ShardFeed), on a fake engine --
+# -- The holder as it runs: the real shard job (generate.ShardJob) and feed (ShardFeed), on a fake engine ------------
 
 ERROR_ROWS = (3, 7, 11, 50, 55)  # a null topic: the template fails, and the row counts against the error budget
 # What a job's task needs of the engine's tokenizer (no labels, no reasoning parser): token ids for the feed.
@@ -63,7 +63,7 @@ TOKENIZER = SimpleNamespace(hf=None, encode_batch=lambda prompts: [[1, 2, 3] for
 
 
 class FakeEngine:
-    """What the feed uses of an engine (``feed.Feeder``: ``submit``, ``step``, ``abort``): each step
+    """What the feed uses of an engine (``feed.engine_loop.Feeder``: ``submit``, ``step``, ``abort``): each step
     finishes the oldest request. ``on_step`` runs first in each step, that is between two of the
     holder's looks for a split request (``ShardFeed._poll``)."""
 
@@ -100,7 +100,8 @@ def split_run(tmp_path, monkeypatch) -> tuple[RunConfig, RunDir]:
     from tests.conftest import base_config, write_parquet
 
     monkeypatch.setattr(splits, "POLL_S", 0.0)  # the holder looks for a request at every poll (one stat)
-    monkeypatch.setattr(feed, "PROGRESS_SECONDS", 0.0)  # progress.json after every row: the rate the thief reads
+    # progress.json after every row: the rate the thief reads
+    monkeypatch.setattr(feed.shard_loop, "PROGRESS_SECONDS", 0.0)
     run_dir = RunDir(tmp_path / "results")
     rows = [{"id": f"r{i:02d}", "topic": None if i in ERROR_ROWS else f"topic {i}"} for i in range(60)]
     data = write_parquet(tmp_path / "in.parquet", rows)
@@ -268,7 +269,7 @@ def test_once_asked_the_feed_reads_no_row_ahead_to_sort_so_the_next_split_has_ro
     reads a row only when it has none left to give the engine, so rows past the floor stay unread."""
     from types import SimpleNamespace
 
-    from shardgen.feed import prepared_requests
+    from shardgen.feed.requests import prepared_requests
 
     renderer = SimpleNamespace(render_batch=lambda rows: [r["p"] for r in rows])
     tokenizer = SimpleNamespace(encode_batch=lambda prompts: [[len(p)] for p in prompts])
@@ -291,7 +292,7 @@ def test_prefix_order_sorts_what_a_piece_finishes_in_a_minute_so_a_split_has_row
     """A tail shard of the plan is a quarter of an average shard (2,500 rows of 10,000): a fixed window of
     2,048 beside 512 in flight read it whole at its start, and a split had nothing to give (issue 38).
     A piece a split may cut sorts what it finishes in ORDER_WINDOW_SECONDS; a run without splits, all."""
-    from shardgen.feed import ORDER_WINDOW_MIN, ORDER_WINDOW_SECONDS, order_window
+    from shardgen.feed.requests import ORDER_WINDOW_MIN, ORDER_WINDOW_SECONDS, order_window
 
     assert order_window(512) == 2048 and order_window(8) == 1024, "no splits: the whole window"
     assert order_window(512, 100.0) == 2048, "fast rows: the whole window"
@@ -310,7 +311,8 @@ def test_a_feed_sorts_the_whole_window_unless_a_split_may_cut_its_piece_then_wha
     import time
     from types import SimpleNamespace
 
-    from shardgen.feed import ORDER_WINDOW_SECONDS, ShardFeed
+    from shardgen.feed.requests import ORDER_WINDOW_SECONDS
+    from shardgen.feed.shard_loop import ShardFeed
     from shardgen.stats import AttemptCounters
 
     engine = SimpleNamespace(max_num_seqs=256)
@@ -373,7 +375,7 @@ def test_without_split_seconds_a_holder_answers_no_request_but_its_commit_still_
 
 
 def test_the_error_budget_of_a_cut_shard_is_of_its_rows_now():
-    from shardgen.feed import ErrorBudget, TooManyErrors
+    from shardgen.feed.shard_loop import ErrorBudget, TooManyErrors
 
     budget = ErrorBudget("00003", 60, 0.1)  # 6 errors allowed
     for i in range(4):

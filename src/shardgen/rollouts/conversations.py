@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from shardgen.errors import RowError
-from shardgen.feed import Request
+from shardgen.feed.requests import Request
 from shardgen.results import Completion
 from shardgen.rollouts.calls import template_messages
 from shardgen.rollouts.tools import _call_tool, failed_call, tool_pool
