@@ -63,10 +63,6 @@ format: setup
 # Two processes run it (pytest-xdist; tests/conftest.py says why), the tests that use the session
 # engine in one of them; then the tests that measure this machine's speed run alone (marker serial).
 test: export SHARDGEN_VLLM ?= cpu
-# Two engines share the cores here (the session engine beside a Slurm job's): OpenMP threads that sleep
-# while they wait, not spin, give the two together 1.6-1.9 times the output of spinning ones, and one
-# engine alone the same within this machine's noise (bench/omp_wait.py, bench/results/omp_wait.md).
-test: export OMP_WAIT_POLICY ?= PASSIVE
 test: setup test-models slurm lint
 	$(RUN) pytest -n 2 --dist loadgroup -m "not serial" --require-markers=engine,slurm $(PYTEST_ARGS)
 	$(RUN) pytest -m serial --require-markers=engine,slurm $(PYTEST_ARGS)

@@ -3,8 +3,9 @@
 vLLM's CPU build binds its OpenMP threads to every core (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), and
 PyTorch's libgomp spins while a thread waits for the others. Where two engines share the cores (the
 suite's two processes: the session engine beside a Slurm job's engine), each one's threads spin on
-cores the other needs. ``make test`` sets ``OMP_WAIT_POLICY=PASSIVE`` (waiting threads sleep); a job
-on a cluster has its cores to itself, where the policy changes nothing.
+cores the other needs; with ``OMP_WAIT_POLICY=PASSIVE`` waiting threads sleep. A job on a cluster has
+its cores to itself, where the policy changes nothing. ``make test`` does not set it: the suite as a
+whole was no faster with it (bench/README.md).
 
 Each case runs the same generation (the demo model, greedy, ``max_tokens`` each) in fresh processes:
 one engine alone, then two at once; output tokens/s of each engine, and of both together.
