@@ -77,7 +77,7 @@ class Manifest:
     @property
     def source_kind(self) -> SourceKind:
         """What the core asks of the plan's source (``sources.source_kind``), without opening it."""
-        from shardgen.sources import source_kind
+        from shardgen.sources import source_kind  # the registry of source kinds: not for shardgen status
 
         return source_kind(self.data["source"]["kind"])
 

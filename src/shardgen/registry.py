@@ -14,6 +14,8 @@ import importlib
 import threading
 from typing import Any
 
+import shardgen  # the package's list of features (shardgen.FEATURES); it imports none of them
+
 _lock = threading.RLock()
 _state = {"loaded": False, "loading": False}
 
@@ -29,8 +31,6 @@ def load_features() -> None:
             return
         _state["loading"] = True
         try:
-            import shardgen
-
             for name in shardgen.FEATURES:
                 importlib.import_module(f"shardgen.{name}")
         finally:
@@ -101,8 +101,6 @@ class Hooks(_LoadsOnRead, list):
     imported first: a config with two mistakes is told the same one in every process."""
 
     def _ordered(self) -> list[Any]:
-        import shardgen
-
         rank = {f"shardgen.{name}": i for i, name in enumerate(shardgen.FEATURES)}
         return sorted(list.__iter__(self), key=lambda hook: rank.get(getattr(hook, "__module__", ""), -1))
 
