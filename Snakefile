@@ -6,7 +6,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
 
-from shardgen import steps as shardgen_steps
+from shardgen.features import steps as shardgen_steps
 from shardgen import trust
 from shardgen import config as shardgen_config
 from shardgen.errors import ConfigError

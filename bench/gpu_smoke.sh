@@ -72,8 +72,8 @@ import json
 import torch
 import vllm
 
-from shardgen import kernels
-from shardgen.installed import version_problem
+from shardgen.base import kernels
+from shardgen.base.installed import version_problem
 
 assert torch.cuda.is_available(), "torch sees no CUDA GPU"
 print(json.dumps({

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from shardgen import cluster  # noqa: E402
 from shardgen.config import RunConfig  # noqa: E402
-from shardgen.prompts import PromptRenderer  # noqa: E402
+from shardgen.requests.prompts import PromptRenderer  # noqa: E402
 
 EXAMPLES = ROOT / "config" / "examples"
 

@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from common import write_results  # noqa: E402
 
-from shardgen import feed  # noqa: E402
-from shardgen.feed.requests import prepared_requests  # noqa: E402
-from shardgen.feed.shard_loop import RowStream  # noqa: E402
+from shardgen.jobs import feed  # noqa: E402
+from shardgen.jobs.feed.requests import prepared_requests  # noqa: E402
+from shardgen.jobs.feed.shard_loop import RowStream  # noqa: E402
 
 IN_FLIGHT = 512  # the feed's window at max_num_seqs 256 (2 x)
 RATES = (35, 10, 2)  # rows/s of a piece a split may cut

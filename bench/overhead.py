@@ -134,7 +134,7 @@ def workflow(d: Path, data: Path, sampling: dict) -> dict:
     spans = rule_spans(out.stdout + "\n" + out.stderr)
     job = spans.get("generate_shard", 0.0)
     engine, generation = stats["engine_start_seconds"], stats["generation_seconds"]
-    # from the job's log line before it stops its engine (shardgen.engine.Engine.close) to its last line
+    # from the job's log line before it stops its engine (shardgen.engines.vllm.Engine.close) to its last line
     stopping = STOPPING.search(job_log.read_text())
     after_commit = (
         job_log.stat().st_mtime - datetime.strptime(stopping.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()

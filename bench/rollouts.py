@@ -39,14 +39,15 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from common import machine, write_results  # noqa: E402
 
-from shardgen import rollouts  # noqa: E402
+from shardgen.base.installed import vllm_version  # noqa: E402
+from shardgen.base.jobenv import clear_thread_env  # noqa: E402
 from shardgen.config import RunConfig  # noqa: E402
-from shardgen.engine import Engine, EngineSettings  # noqa: E402
-from shardgen.generate import JobContext, run_shard  # noqa: E402
-from shardgen.installed import vllm_version  # noqa: E402
-from shardgen.jobenv import clear_thread_env  # noqa: E402
-from shardgen.plan import write_manifest  # noqa: E402
-from shardgen.prompts import PromptRenderer  # noqa: E402
+from shardgen.data.plan import write_manifest  # noqa: E402
+from shardgen.engines.kinds import EngineSettings  # noqa: E402
+from shardgen.engines.vllm import Engine  # noqa: E402
+from shardgen.features import rollouts  # noqa: E402
+from shardgen.jobs.generate import JobContext, run_shard  # noqa: E402
+from shardgen.requests.prompts import PromptRenderer  # noqa: E402
 
 TOY = ROOT / "models" / "toy"
 TOOL = """\

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from common import write_results  # noqa: E402
 
-from shardgen.sources import ParquetSource  # noqa: E402
+from shardgen.data.sources import ParquetSource  # noqa: E402
 
 
 def parquet_object(mib: float, seed: int) -> bytes:

@@ -56,16 +56,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from shardgen import config as cfg  # noqa: E402
-from shardgen import feed, plan, splits  # noqa: E402
-from shardgen.engine import engine_kwargs  # noqa: E402
-from shardgen.identity import shard_fingerprint  # noqa: E402
-from shardgen.io import atomic_write_text  # noqa: E402
-from shardgen.jobinfo import scontrol_jobs  # noqa: E402
-from shardgen.manifest import Manifest, work_order  # noqa: E402
-from shardgen.outputs import write_table  # noqa: E402
-from shardgen.plan import write_manifest  # noqa: E402
-from shardgen.results import ResultSpec  # noqa: E402
-from shardgen.stats import AttemptCounters, shard_stats  # noqa: E402
+from shardgen.base.io import atomic_write_text  # noqa: E402
+from shardgen.base.jobinfo import scontrol_jobs  # noqa: E402
+from shardgen.data import plan  # noqa: E402
+from shardgen.data.identity import shard_fingerprint  # noqa: E402
+from shardgen.data.manifest import Manifest, work_order  # noqa: E402
+from shardgen.data.outputs import write_table  # noqa: E402
+from shardgen.data.plan import write_manifest  # noqa: E402
+from shardgen.data.stats import AttemptCounters, shard_stats  # noqa: E402
+from shardgen.engines.kinds import engine_kwargs  # noqa: E402
+from shardgen.features import splits  # noqa: E402
+from shardgen.jobs import feed  # noqa: E402
+from shardgen.requests.results import ResultSpec  # noqa: E402
 
 # The commands of the environment this script runs in (shardgen, snakemake).
 BIN = Path(sys.executable).parent
@@ -222,7 +224,7 @@ def fresh_dir(path: Path) -> Path:
 
 HOLD_MANIFEST = r"""
 import sys
-from shardgen.manifest import Manifest
+from shardgen.data.manifest import Manifest
 m = Manifest.load(sys.argv[1]) if len(sys.argv) > 1 else None
 """
 
@@ -461,7 +463,7 @@ def merge_inputs(d: Path, work: Path, size: Size, paths: list[Path], n_files: in
     return d
 
 
-IMPORT_MERGE = "import shardgen.cli, shardgen.merge"
+IMPORT_MERGE = "import shardgen.cli, shardgen.jobs.merge"
 
 
 def step_merge(work: Path, size: Size, paths: list[Path]) -> dict[str, Any]:
@@ -1078,7 +1080,7 @@ def uneven_run(d: Path, shards_cfg: dict[str, Any], order: str | None, args: arg
     and every row exactly once in the merged output."""
     from datetime import datetime
 
-    from shardgen.rundir import RunDir
+    from shardgen.base.rundir import RunDir
 
     u = UNEVEN
     config = {

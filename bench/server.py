@@ -36,13 +36,13 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from common import machine, write_results  # noqa: E402
 
+from shardgen.base.installed import vllm_version  # noqa: E402
+from shardgen.base.jobenv import clear_thread_env  # noqa: E402
 from shardgen.config import RunConfig  # noqa: E402
-from shardgen.engine import Engine  # noqa: E402
-from shardgen.generate import JobContext, run_shard  # noqa: E402
-from shardgen.installed import vllm_version  # noqa: E402
-from shardgen.jobenv import clear_thread_env  # noqa: E402
-from shardgen.plan import write_manifest  # noqa: E402
-from shardgen.server_engine import ServerEngine  # noqa: E402
+from shardgen.data.plan import write_manifest  # noqa: E402
+from shardgen.engines.server import ServerEngine  # noqa: E402
+from shardgen.engines.vllm import Engine  # noqa: E402
+from shardgen.jobs.generate import JobContext, run_shard  # noqa: E402
 
 TOPICS = ["the sea", "owls", "tea", "clocks", "maps", "bread", "snow", "bridges", "rivers", "kites"]
 MODEL = {"model": str(ROOT / "models" / "SmolLM2-135M-Instruct"), "dtype": "float32", "max_model_len": 1024,

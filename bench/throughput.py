@@ -44,12 +44,13 @@ sys.path.insert(0, str(ROOT / "src"))
 from common import machine, write_results  # noqa: E402
 
 from shardgen import config as cfg  # noqa: E402
-from shardgen.engine import Engine, EngineSettings, make_sampling_params  # noqa: E402
-from shardgen.generate import JobContext, run_shard  # noqa: E402
-from shardgen.installed import vllm_build, vllm_version  # noqa: E402
-from shardgen.jobenv import clear_thread_env  # noqa: E402
-from shardgen.plan import write_manifest  # noqa: E402
-from shardgen.prompts import PromptRenderer  # noqa: E402
+from shardgen.base.installed import vllm_build, vllm_version  # noqa: E402
+from shardgen.base.jobenv import clear_thread_env  # noqa: E402
+from shardgen.data.plan import write_manifest  # noqa: E402
+from shardgen.engines.kinds import EngineSettings  # noqa: E402
+from shardgen.engines.vllm import Engine, make_sampling_params  # noqa: E402
+from shardgen.jobs.generate import JobContext, run_shard  # noqa: E402
+from shardgen.requests.prompts import PromptRenderer  # noqa: E402
 
 SYSTEM = (
     "You are a careful assistant that labels short texts. Read the text, decide which single topic it is "

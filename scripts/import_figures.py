@@ -1,6 +1,6 @@
 """The package's import figures (issue 37): imports of its own modules at module level, inside
 functions and under TYPE_CHECKING; the import cycles they make; who imports the features; the size
-of generate.py. Usage: python scripts/import_figures.py [src/shardgen]"""
+of jobs/generate.py. Usage: python scripts/import_figures.py [src/shardgen]"""
 
 from __future__ import annotations
 
@@ -9,12 +9,22 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-FEATURES = ("steps", "openai_batch", "splits")
+FEATURES = ("features.steps", "features.openai_batch", "features.splits")
+
+
+def module_names(root: Path) -> dict[str, Path]:
+    """The package's modules by dotted name under ``shardgen`` (a package by its folder's name)."""
+    names = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    names.pop("", None)
+    return names
 
 
 def own_imports(root: Path) -> tuple[dict[str, set[str]], Counter, list[tuple[str, str, int]]]:
     """Module -> the package's modules it imports; the count by place; the ones inside functions."""
-    modules = {p.stem for p in root.glob("*.py")}
+    modules = module_names(root)
     edges: dict[str, set[str]] = defaultdict(set)
     places: Counter = Counter()
     in_functions: list[tuple[str, str, int]] = []
@@ -27,12 +37,13 @@ def own_imports(root: Path) -> tuple[dict[str, set[str]], Counter, list[tuple[st
             elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 here = "TYPE_CHECKING"
             targets: list[str] = []
-            if isinstance(child, ast.ImportFrom) and child.module == "shardgen":
-                targets = [a.name for a in child.names]
-            elif isinstance(child, ast.ImportFrom) and (child.module or "").startswith("shardgen."):
-                targets = [child.module.split(".")[1]]
+            if isinstance(child, ast.ImportFrom) and (child.module or "").split(".")[0] == "shardgen":
+                base = child.module.removeprefix("shardgen").lstrip(".")
+                for a in child.names:
+                    inner = f"{base}.{a.name}".lstrip(".")
+                    targets.append(inner if inner in modules else base)
             elif isinstance(child, ast.Import):
-                targets = [a.name.split(".")[1] for a in child.names if a.name.startswith("shardgen.")]
+                targets = [a.name.removeprefix("shardgen.") for a in child.names if a.name.startswith("shardgen.")]
             for target in targets:
                 if target in modules and target != name:
                     edges[name].add(target)
@@ -41,8 +52,8 @@ def own_imports(root: Path) -> tuple[dict[str, set[str]], Counter, list[tuple[st
                         in_functions.append((name, target, child.lineno))
             visit(child, name, here)
 
-    for path in sorted(root.glob("*.py")):
-        visit(ast.parse(path.read_text()), path.stem, "module level")
+    for name, path in modules.items():
+        visit(ast.parse(path.read_text()), name, "module level")
     return edges, places, in_functions
 
 
@@ -87,9 +98,13 @@ def main(root: Path) -> None:
     print(f"imports inside functions: {len(in_functions)}")
     print(f"config imports: {', '.join(sorted(edges['config']))}")
     for feature in FEATURES:
-        users = sorted(m for m, targets in edges.items() if feature in targets)
+        users = sorted(
+            m
+            for m, targets in edges.items()
+            if not m.startswith(feature) and any(t == feature or t.startswith(feature + ".") for t in targets)
+        )
         print(f"{feature} is imported by {len(users)}: {', '.join(users)}")
-    generate = root / "generate.py"
+    generate = root / "jobs" / "generate.py"
     tree = ast.parse(generate.read_text())
     functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
     longest = max(functions, key=lambda f: f.end_lineno - f.lineno)

@@ -41,12 +41,12 @@ case "$flavor" in
 esac
 # Last, because any later resolve puts the old one back: the Slurm executor
 # plugin that submits without pausing, without its numpy>=2.4.5 requirement,
-# which vLLM's dependencies refuse (src/shardgen/installed.py, SLURM_PLUGIN).
-plugin=$("$venv/bin/python" -c "from shardgen.installed import SLURM_PLUGIN; print(SLURM_PLUGIN)")
+# which vLLM's dependencies refuse (src/shardgen/base/installed.py, SLURM_PLUGIN).
+plugin=$("$venv/bin/python" -c "from shardgen.base.installed import SLURM_PLUGIN; print(SLURM_PLUGIN)")
 $pip install --quiet --no-deps "snakemake-executor-plugin-slurm==$plugin"
 "$venv/bin/python" - <<'PY'
 import vllm, transformers, snakemake
-from shardgen.installed import slurm_plugin_problem
+from shardgen.base.installed import slurm_plugin_problem
 problem = slurm_plugin_problem()
 if problem:
     raise SystemExit(f"setup: {problem}")

@@ -102,8 +102,9 @@ def engine(model_dir: Path):
     Chunked prefill is off, as shardgen runs it for seeded sampling on the
     CPU build (``EngineSettings.for_job``), so the seeded tests can share it.
     """
-    from shardgen.engine import Engine, EngineSettings
-    from shardgen.jobenv import clear_thread_env
+    from shardgen.base.jobenv import clear_thread_env
+    from shardgen.engines.kinds import EngineSettings
+    from shardgen.engines.vllm import Engine
 
     clear_thread_env()  # before vLLM is imported
     from vllm import LLM

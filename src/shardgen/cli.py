@@ -14,9 +14,9 @@ import sys
 from typing import NoReturn
 
 from shardgen import config as cfg
-from shardgen import jobenv
+from shardgen.base import jobenv
+from shardgen.base.io import restrict_umask
 from shardgen.errors import ShardgenError
-from shardgen.io import restrict_umask
 
 # Each command imports what it runs, when it runs (``python -X importtime``): ``shardgen status`` reads
 # a run's files without pyarrow, the engine or the features.
@@ -125,17 +125,17 @@ def main(argv: list[str] | None = None) -> int:
         jobenv.enter(args.command)
     try:
         if args.command == "plan":
-            from shardgen.plan import write_manifest
+            from shardgen.data.plan import write_manifest
 
             m = write_manifest(_load(args.config), args.manifest)
             print(f"planned {m['total_rows']} rows in {len(m['shards'])} shards -> {args.manifest}", file=sys.stderr)
             return 0
         if args.command == "preflight":
-            from shardgen.preflight import main_preflight
+            from shardgen.jobs.preflight import main_preflight
 
             return main_preflight(_load(args.config), args.manifest, args.report, args.model_record)
         if args.command == "generate":
-            from shardgen import workers
+            from shardgen.jobs import workers
 
             one = args.record is None
             if args.worker is not None and one:
@@ -152,52 +152,52 @@ def main(argv: list[str] | None = None) -> int:
                 return workers.main_shard(config, args.manifest, shard, args.output, args.stats, args.model_record)
             return workers.main_shards(config, args.manifest, args.shard, args.record, args.model_record)
         if args.command == "reach-storage":
-            from shardgen.preflight import reach_storage
+            from shardgen.jobs.preflight import reach_storage
 
             record = reach_storage(_load(args.config), args.manifest, args.record)
             print(f"read {len(record['objects'])} object(s) from {record['host']}", file=sys.stderr)
             return 0
         if args.command == "upload":
-            from shardgen.merge import upload
+            from shardgen.jobs.merge import upload
 
             record = upload(_load(args.config), args.dataset, args.stats, args.record)
             print(f"uploaded {len(record['uploaded'])} object(s) to {record['prefix']}; {len(record['skipped'])} "
                   "unchanged since the last upload", file=sys.stderr)  # fmt: skip
             return 0
         if args.command == "push":
-            from shardgen.merge import push
+            from shardgen.jobs.merge import push
 
             record = push(_load(args.config), args.dataset, args.stats, args.record)
             print(f"pushed {record['rows']} rows to {record['repo_id']}", file=sys.stderr)
             return 0
         if args.command == "status":
-            from shardgen.status import main_status
+            from shardgen.commands.status import main_status
 
             out_dir = args.dir or cfg.load(args.configfile or "config/config.yaml")["output"]["dir"]
             return main_status(out_dir, args.window, args.all)
         if args.command == "engine-worker":
-            from shardgen.multinode import main_worker
+            from shardgen.engines.multinode import main_worker
 
             return main_worker()
         if args.command == "engine-version":
             print(cfg.engine_version())
             return 0
         if args.command == "fetch-model":
-            from shardgen.fetch import main_fetch
+            from shardgen.models.fetch import main_fetch
 
             return main_fetch(_load(args.config), args.output)
         if args.command == "merge":
-            from shardgen.merge import main_merge
+            from shardgen.jobs.merge import main_merge
 
             return main_merge(_load(args.config), args.manifest, args.output, args.stats, args.model_record)
         if args.command == "select":
-            from shardgen import steps
+            from shardgen.features import steps
 
             stats = steps.finish(cfg.load(args.config), args.output, args.stats)
             print(steps.summary_text(stats))
             return 0
         if args.command == "plots":
-            from shardgen.report import main_plots  # matplotlib: a third of every other command's start
+            from shardgen.commands.report import main_plots  # matplotlib: a third of every other command's start
 
             return main_plots(args.stats, args.output, args.out_dir)
     except ShardgenError as e:

@@ -29,11 +29,11 @@ from typing import Any
 import yaml
 
 from shardgen import trust
+from shardgen.base.installed import vllm_version
+from shardgen.base.io import atomic_write_text
+from shardgen.base.registry import Hooks, Registry
+from shardgen.base.rundir import CONFIG_DIR, RunDir
 from shardgen.errors import ConfigError
-from shardgen.installed import vllm_version
-from shardgen.io import atomic_write_text
-from shardgen.registry import Hooks, Registry
-from shardgen.rundir import CONFIG_DIR, RunDir
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
 
@@ -72,7 +72,7 @@ LATER_DEFAULTS = {
 # -- Where features plug in ----------------------------------------------------------------------------
 # This module checks the core's keys. A feature (a run mode, a source kind, a task kind, an output
 # format, the prompt's templates) registers its own checks here when it is imported, and reading any of
-# these registries imports every feature first (shardgen.registry), so this module names none of them:
+# these registries imports every feature first (shardgen.base.registry), so this module names none of them:
 # features sit above it (docs/dev/layers.md).
 
 Check = Callable[[dict[str, Any]], None]
@@ -767,7 +767,7 @@ class RunConfig:
     lora: LoraConfig
     engine: EngineConfig
     raw: Mapping[str, Any] = dataclasses.field(repr=False, compare=False)
-    # a step of a run of steps (shardgen.steps.step_configs): its name, place and what it needs
+    # a step of a run of steps (shardgen.features.steps.step_configs): its name, place and what it needs
     step: Mapping[str, Any] | None = None
 
     @classmethod

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from shardgen import credentials
+from shardgen.base import credentials
 from shardgen.errors import ConfigError
 
 # Keys that would put a credential in the config, where it would be copied

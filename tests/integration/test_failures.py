@@ -51,8 +51,8 @@ def rows_per_s(engine, tmp_path_factory) -> float:
     session engine: what a test that races a Slurm time limit sizes its shard from. (Seen: 2-3.5 rows/s
     in a job on a 2-core machine with AVX-512, 1.26 on an AVX2-only one.)"""
     from shardgen.config import RunConfig, validate
-    from shardgen.generate import JobContext, run_shard
-    from shardgen.plan import write_manifest
+    from shardgen.data.plan import write_manifest
+    from shardgen.jobs.generate import JobContext, run_shard
 
     def run(rows: int) -> dict:
         tmp = tmp_path_factory.mktemp("rate")

@@ -8,9 +8,9 @@ import random
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen.fake_engine import FakeEngine
-from shardgen.generate import JobContext, run_shard
-from shardgen.plan import write_manifest
+from shardgen.data.plan import write_manifest
+from shardgen.engines.fake import FakeEngine
+from shardgen.jobs.generate import JobContext, run_shard
 from tests.conftest import base_config, make_rows, write_parquet
 
 

@@ -13,16 +13,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen import engine as eng
-from shardgen.engine import Engine
+from shardgen.base.rundir import RunDir
+from shardgen.data.outputs import ShardCheckpoint
+from shardgen.data.plan import write_manifest
+from shardgen.engines import kinds as eng
+from shardgen.engines.fake import FakeEngine
+from shardgen.engines.vllm import Engine
 from shardgen.errors import InputError
-from shardgen.fake_engine import FakeEngine
-from shardgen.feed.shard_loop import TooManyErrors
-from shardgen.generate import JobContext, run_shard
-from shardgen.outputs import ShardCheckpoint
-from shardgen.plan import write_manifest
-from shardgen.rundir import RunDir
-from shardgen.stopflag import Interrupted
+from shardgen.jobs.feed.shard_loop import TooManyErrors
+from shardgen.jobs.generate import JobContext, run_shard
+from shardgen.jobs.stopflag import Interrupted
 from tests.conftest import base_config, changed, make_rows, write_parquet
 from tests.integration.workflow import part_rows
 
@@ -254,7 +254,7 @@ def test_checkpoints_of_a_changed_sampling_key_are_not_reused(tmp_path, fake, mo
 
 @pytest.mark.engine
 def test_thread_variables_from_snakemake_are_dropped_before_the_engine_starts(tmp_path, engine, monkeypatch):
-    from shardgen import jobenv
+    from shardgen.base import jobenv
 
     monkeypatch.setattr(jobenv, "removed", {})  # what this process dropped before (the session's start)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
@@ -306,7 +306,7 @@ def test_the_engine_listens_on_no_port_other_machines_can_reach(engine):
 
 
 def test_several_shards_in_one_job_share_the_engine_and_a_retry_keeps_the_committed_ones(tmp_path, fake):
-    from shardgen.workers import run_shards
+    from shardgen.jobs.workers import run_shards
 
     engine = fake
     config, manifest = plan(tmp_path, make_rows(20), engine=FAKE)  # shards of 8: 00000, 00001, 00002
@@ -332,7 +332,7 @@ def test_out_of_memory_while_generating_keeps_the_finished_rows_and_the_retry_ha
     tmp_path, fake, monkeypatch
 ):
     """CUDA's out-of-memory message raised from a step (the fake engine's), as on a GPU."""
-    from shardgen.memory import OutOfMemory
+    from shardgen.base.memory import OutOfMemory
 
     engine = fake
     config, manifest = plan(tmp_path, make_rows(16), shards={"rows_per_shard": 16},
@@ -369,8 +369,8 @@ def test_out_of_memory_while_generating_keeps_the_finished_rows_and_the_retry_ha
 def test_a_job_on_gpus_it_cannot_use_stops_before_the_model_loads(tmp_path, model_dir, monkeypatch):
     """On the CUDA build, a job that got one GPU for a tensor-parallel 2 model: stopped with both named,
     before the engine (which would load the weights) is created."""
-    from shardgen import gpus
-    from shardgen.engine import WrongGpus
+    from shardgen.base import gpus
+    from shardgen.engines.kinds import WrongGpus
 
     config, manifest = plan(tmp_path, make_rows(4), model={"tensor_parallel_size": 2})
     h100 = gpus.make_gpu("NVIDIA H100 80GB HBM3", index=0, memory_mib=81559, compute_capability="9.0")
@@ -424,7 +424,7 @@ def test_a_signal_during_the_engine_start_abandons_the_start_and_records_the_att
 
 @pytest.mark.engine
 def test_a_signal_before_the_engine_start_stops_the_job_without_starting_it(tmp_path, model_dir, monkeypatch):
-    from shardgen.engine import EngineSettings
+    from shardgen.engines.kinds import EngineSettings
 
     config, manifest = plan(tmp_path, make_rows(4))
     real_for_job = EngineSettings.for_job.__func__
@@ -492,10 +492,10 @@ def test_a_run_directory_written_by_the_real_writers_reads_back_alike_in_status_
     stopped by SIGTERM after a save, its retry) and each reader reads it back: they agree on rows,
     row errors, resumed rows and attempts. (Records built by hand in unit tests cannot see a writer
     and its readers drift apart.)"""
-    from shardgen.merge import merge
-    from shardgen.report import FILES, make_plots
-    from shardgen.status import format_status, read_status
-    from shardgen.workers import run_shards
+    from shardgen.commands.report import FILES, make_plots
+    from shardgen.commands.status import format_status, read_status
+    from shardgen.jobs.merge import merge
+    from shardgen.jobs.workers import run_shards
 
     rows = make_rows(20)
     rows[3]["topic"] = "very long " * 2000  # beyond max_model_len: a row error
@@ -567,10 +567,10 @@ def test_a_chain_whose_first_step_drops_rows_and_second_samples_several_counts_e
     ``rows_passed_on`` the next step's ``rows`` (they were "3 rows -> -1 passed on"). A last select
     of pairs that finds no pair writes the chosen/rejected columns still."""
     from shardgen import config as cfg
-    from shardgen import steps
-    from shardgen.manifest import Manifest
-    from shardgen.merge import merge
-    from shardgen.workers import run_shards
+    from shardgen.data.manifest import Manifest
+    from shardgen.features import steps
+    from shardgen.jobs.merge import merge
+    from shardgen.jobs.workers import run_shards
 
     rows = make_rows(4)
     rows[1]["topic"] = None  # a row error of the draft: both its samples

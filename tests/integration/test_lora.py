@@ -2,7 +2,7 @@
 run with it (their greedy text differs from the base model's on the same prompt), a row naming an
 undeclared adapter is a per-row error, and the output's provenance names the adapter. On vLLM's
 CPU build a row without an adapter is a per-row error too: batched with adapter rows it would run
-with an adapter (shardgen.lora's docstring has the vLLM source)."""
+with an adapter (shardgen.requests.lora's docstring has the vLLM source)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One engine across two Slurm nodes: the local Slurm's partition twonodes is two slurmd daemons
 on this machine (scripts/slurm-up.sh), and vLLM's CPU build runs the demo model with one pipeline
-stage on each (tensor parallel 1 per node: see shardgen.multinode and docs/dev/vllm-multinode.md)."""
+stage on each (tensor parallel 1 per node: see shardgen.engines.multinode and docs/dev/vllm-multinode.md)."""
 
 from __future__ import annotations
 

@@ -141,7 +141,7 @@ def test_a_reward_model_gives_each_row_its_raw_score(tmp_path):
 def flaky_scontrol(bin_dir) -> str:
     """A PATH whose ``scontrol show config`` fails every other call, as it did in CI under load: the
     Slurm plugin then queries sacct for that status check, which fails without accounting, and (but
-    for shardgen.statuscheck) loses the run's jobs, so the run waits for ever."""
+    for shardgen.commands.statuscheck) loses the run's jobs, so the run waits for ever."""
     bin_dir.mkdir()
     script = bin_dir / "scontrol"
     script.write_text(

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardgen.cli import main
-from shardgen.plan import write_manifest
+from shardgen.data.plan import write_manifest
 from tests.conftest import base_config, changed, make_rows, write_parquet
 from tests.integration.workflow import run_bounded, run_workflow, slurm_jobs, workflow_config
 

@@ -9,9 +9,9 @@ import math
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen.engine import Engine
-from shardgen.generate import JobContext, run_shard
-from shardgen.plan import write_manifest
+from shardgen.data.plan import write_manifest
+from shardgen.engines.vllm import Engine
+from shardgen.jobs.generate import JobContext, run_shard
 from tests.conftest import base_config, write_parquet
 
 pytestmark = pytest.mark.engine

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import TypeAdapter
 
-from shardgen.generate import JobContext, run_shard
-from shardgen.plan import write_manifest
+from shardgen.data.plan import write_manifest
+from shardgen.jobs.generate import JobContext, run_shard
 from tests.conftest import base_config, make_rows, write_parquet
 
 pytestmark = pytest.mark.engine

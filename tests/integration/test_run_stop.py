@@ -2,7 +2,7 @@
 error, soon, and leaves none of its Slurm jobs queued or running.
 
 The stand-in workflow (``stopflow/Snakefile``) uses the real Slurm profile, executor plugin, scheduler
-and ``shardgen.runstop.RunStop``; its jobs only sleep, since the engine is not the point here. Each
+and ``shardgen.commands.runstop.RunStop``; its jobs only sleep, since the engine is not the point here. Each
 moment is stopped ``REPEATS`` times (5 moments, 20 stops), two runs at a time."""
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen.generate import JobContext, run_shard
-from shardgen.merge import merge
-from shardgen.plan import write_manifest
+from shardgen.data.plan import write_manifest
+from shardgen.jobs.generate import JobContext, run_shard
+from shardgen.jobs.merge import merge
 from tests.conftest import base_config, make_rows, write_parquet
 
 pytestmark = pytest.mark.engine

@@ -14,9 +14,9 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen.generate import JobContext, run_shard
-from shardgen.plan import write_manifest
-from shardgen.server_engine import ServerEngine, ServerFailed
+from shardgen.data.plan import write_manifest
+from shardgen.engines.server import ServerEngine, ServerFailed
+from shardgen.jobs.generate import JobContext, run_shard
 from tests.conftest import base_config, make_rows, write_parquet
 from tests.integration.workflow import Background, workflow_config
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from shardgen import runstop
+from shardgen.base.rundir import RunDir
 from shardgen.cluster import PendingWatcher
-from shardgen.rundir import RunDir
+from shardgen.commands import runstop
 from tests.conftest import make_rows, write_parquet
 from tests.integration.workflow import BIN, Background, run_workflow, slurm_jobs, workflow_config
 

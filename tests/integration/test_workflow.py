@@ -16,10 +16,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen.installed import slurm_plugin_problem
-from shardgen.rollouts.tools import ERROR_PREFIX
-from shardgen.rundir import RunDir
-from shardgen.steps import DROPPED
+from shardgen.base.installed import slurm_plugin_problem
+from shardgen.base.rundir import RunDir
+from shardgen.features.rollouts.tools import ERROR_PREFIX
+from shardgen.features.steps import DROPPED
 from tests.conftest import ROOT, TEST_MODEL_CFG, make_rows, s3_bucket, write_parquet
 from tests.integration.workflow import (
     BIN,
@@ -327,7 +327,7 @@ def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoe
     run.proc.send_signal(signal.SIGINT)  # what Ctrl-C does: the run's jobs are cancelled
     run.proc.wait(120)
     run.out.close()
-    assert "shardgen: error: interrupted (SIGINT" in run.output(), "Ctrl-C stops the run (shardgen.runstop)"
+    assert "shardgen: error: interrupted (SIGINT" in run.output(), "Ctrl-C stops the run (shardgen.commands.runstop)"
     deadline = time.time() + 120  # a vLLM job's SIGTERM, KillWait (30 s), then the node's cleanup
     while set(slurm_jobs(tmp_path).values()) & {"RUNNING", "PENDING", "COMPLETING"} and time.time() < deadline:
         time.sleep(0.5)

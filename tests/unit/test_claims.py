@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shardgen.claims import ClaimBoard, ClaimLost, Holder, claim_name
+from shardgen.jobs.claims import ClaimBoard, ClaimLost, Holder, claim_name
 
 SHARDS = [f"{i:05d}" for i in range(200)]
 
@@ -144,7 +144,7 @@ def earlier_attempt(tmp_path, worker, job_id=None, **kwargs):
     import secrets
     import subprocess
 
-    from shardgen import jobinfo
+    from shardgen.base import jobinfo
 
     proc = subprocess.Popen(["sleep", "600"])
     holder = Holder(worker, secrets.token_hex(8), jobinfo.host(), job_id, proc.pid)

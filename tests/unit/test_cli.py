@@ -40,8 +40,8 @@ def generate_args(tmp_path, parquet_files) -> list[str]:
 
 def test_the_hugging_face_token_is_gone_before_a_generate_job_runs_model_code(parquet_files, tmp_path, monkeypatch):
     """The Slurm plugin exports the whole environment into every job; only fetch-model and push may use the token."""
-    import shardgen.generate
-    from shardgen.stopflag import Interrupted
+    import shardgen.jobs.generate
+    from shardgen.jobs.stopflag import Interrupted
 
     seen = {}
 
@@ -51,7 +51,7 @@ def test_the_hugging_face_token_is_gone_before_a_generate_job_runs_model_code(pa
 
     monkeypatch.setenv("HF_TOKEN", "hf_ShardgenTestSecret0123456789abcdef")
     monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", "hf_ShardgenTestSecret0123456789abcdef")
-    monkeypatch.setattr(shardgen.generate, "run_shard", run_shard)
+    monkeypatch.setattr(shardgen.jobs.generate, "run_shard", run_shard)
     assert main(generate_args(tmp_path, parquet_files)) == 3, "a stopped job exits non-zero (3)"
     assert seen == {"HF_TOKEN": None, "HUGGING_FACE_HUB_TOKEN": None}
 
@@ -68,7 +68,7 @@ def test_the_token_file_of_hf_auth_login_is_hidden_from_the_commands_that_run_mo
     probe = "import huggingface_hub; print(huggingface_hub.get_token())"
     before = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert before.stdout.strip().startswith("hf_Shardgen"), "the probe finds the file when nothing hides it"
-    hidden = "from shardgen.jobenv import hide_tokens; hide_tokens(); " + probe
+    hidden = "from shardgen.base.jobenv import hide_tokens; hide_tokens(); " + probe
     after = subprocess.run([sys.executable, "-c", hidden], env=env, capture_output=True, text=True, check=True)
     assert after.stdout.strip() == "None"
 

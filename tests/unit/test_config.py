@@ -426,7 +426,7 @@ def test_greedy_sampling_with_several_samples_warns():
 
 
 def test_a_controller_without_vllm_asks_the_shardgen_on_path_for_the_engine_version(tmp_path, monkeypatch):
-    from shardgen import installed
+    from shardgen.base import installed
 
     fake = tmp_path / "shardgen"
     fake.write_text('#!/bin/sh\n[ "$SHARDGEN_ENGINE_PROBE" = 1 ] && [ "$1" = engine-version ] && echo 9.9.9\n')
@@ -449,8 +449,8 @@ def test_the_typed_config_has_a_field_for_every_key_of_its_schema_section_and_no
     for section, cls in cfg.SECTIONS.items():
         fields = {f.name for f in dataclasses.fields(cls)}
         assert fields == set(cfg.schema()["properties"][section]["properties"]), section
-    # and a run of steps: its steps, and what shardgen sets on each step's config (shardgen.steps); a
-    # Python step's function and a rollout, which their features read (shardgen.functions, .rollouts)
+    # and a run of steps: its steps, and what shardgen sets on each step's config (shardgen.features.steps); a
+    # Python step's function and a rollout, which their features read (shardgen.features.functions, .rollouts)
     sections = {"model", "sampling", "task", "steps", "step", "function", "rollout"}
     assert set(cfg.SECTIONS) | sections == set(cfg.schema()["properties"])
     # defaults come from the schema, through validation, whatever the dataclass says

@@ -1,4 +1,4 @@
-"""What a run cost (shardgen.cost), from known tokens and GPU-hours, through the run totals, the
+"""What a run cost (shardgen.base.cost), from known tokens and GPU-hours, through the run totals, the
 summary and the report."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from shardgen import config as cfg
-from shardgen.cost import earlier_attempts, run_cost
+from shardgen.base.cost import earlier_attempts, run_cost
+from shardgen.commands.report import totals
+from shardgen.data.stats import merge_shard_stats, summary_text
 from shardgen.errors import ConfigError
-from shardgen.report import totals
-from shardgen.stats import merge_shard_stats, summary_text
 from tests.conftest import TEST_MODEL_CFG
 
 BASE = {"input": {"parquet": ["x.parquet"]}, "prompt": {"template": "{{ text }}"}, "model": dict(TEST_MODEL_CFG)}

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from shardgen import memory
-from shardgen.engine import engine_kwargs
+from shardgen.base import memory
+from shardgen.engines.kinds import engine_kwargs
 
 
 def test_engine_kwargs_drop_nulls_add_extra_and_turn_on_request_metrics():
@@ -124,7 +124,7 @@ def test_vllms_own_default_batch_for_each_gpu_is_what_a_retry_starts_from(name, 
 
 
 def test_a_rows_seed_depends_on_the_run_seed_and_the_row_id_only():
-    from shardgen.engine import row_seed
+    from shardgen.engines.kinds import row_seed
 
     assert row_seed(1, "r00001") == row_seed(1, "r00001")
     assert row_seed(1, "r00001") != row_seed(2, "r00001") != row_seed(1, "r00002")
@@ -137,7 +137,10 @@ EXPECTED_SEEDS = ["1354073146287614557", "3682996439558678303", "209462407827523
 
 def test_row_seeds_are_fixed_values_whatever_the_process_and_its_hash_seed():
     """Seeds must not come from Python's per-process hash(): the same fixed values in fresh processes."""
-    code = "from shardgen.engine import row_seed; print(row_seed(7, 'r00001'), row_seed(7, 12), row_seed(0, 'r00001'))"
+    code = (
+        "from shardgen.engines.kinds import row_seed; "
+        "print(row_seed(7, 'r00001'), row_seed(7, 12), row_seed(0, 'r00001'))"
+    )
     results = [
         subprocess.run(
             [sys.executable, "-c", code],
@@ -168,8 +171,9 @@ V100 = "0, GPU-12345678-1234-1234-1234-123456789012, Tesla V100-SXM2-32GB, 32768
 
 
 def job_settings(monkeypatch, tmp_path, smi: str | None = None, cuda: str | None = None, **model):
-    from shardgen import engine, gpus, kernels
+    from shardgen.base import gpus, kernels
     from shardgen.config import RunConfig
+    from shardgen.engines import kinds as engine
     from tests.conftest import MODEL
 
     if smi is not None:
@@ -189,7 +193,7 @@ def job_settings(monkeypatch, tmp_path, smi: str | None = None, cuda: str | None
 
 
 def test_a_job_spawns_vllms_processes_and_keeps_its_caches_per_node(monkeypatch, tmp_path):
-    from shardgen import jobinfo
+    from shardgen.base import jobinfo
 
     for name in ("FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "FLASHINFER_NO_DOWNLOAD"):
         monkeypatch.delenv(name, raising=False)
@@ -203,7 +207,7 @@ def test_a_job_spawns_vllms_processes_and_keeps_its_caches_per_node(monkeypatch,
         "FLASHINFER_NO_DOWNLOAD": "1",  # a compute node downloads no kernel: a missing one fails at once
     }
     monkeypatch.setenv("VLLM_CACHE_ROOT", "/scratch/mine")  # the documented override
-    from shardgen.jobinfo import cache_root
+    from shardgen.base.jobinfo import cache_root
 
     assert cache_root("node17") == "/scratch/mine"
 
@@ -215,7 +219,7 @@ def test_batch_invariance_is_an_environment_switch_for_the_engine_and_not_an_eng
 
 
 def test_a_node_whose_driver_is_too_old_for_the_cuda_build_stops_before_the_engine(monkeypatch, tmp_path):
-    from shardgen.engine import WrongGpus
+    from shardgen.engines.kinds import WrongGpus
 
     with pytest.raises(WrongGpus, match=r"driver on this node is 550.54.15.*CUDA 13.0, which needs driver 580.00"):
         job_settings(monkeypatch, tmp_path, H100_550, "13.0")
@@ -223,15 +227,15 @@ def test_a_node_whose_driver_is_too_old_for_the_cuda_build_stops_before_the_engi
 
 
 def test_batch_invariance_on_gpus_without_its_kernels_stops_before_the_engine(monkeypatch, tmp_path):
-    from shardgen.engine import WrongGpus
+    from shardgen.engines.kinds import WrongGpus
 
     with pytest.raises(WrongGpus, match=r"model.batch_invariant: Tesla V100-SXM2-32GB has compute capability 7.0"):
         job_settings(monkeypatch, tmp_path, V100, "13.0", batch_invariant=True)
 
 
 def test_a_job_on_another_vllm_than_the_supported_one_stops_naming_both(monkeypatch, tmp_path):
-    from shardgen import installed
-    from shardgen.engine import UnsupportedVllm
+    from shardgen.base import installed
+    from shardgen.engines.kinds import UnsupportedVllm
 
     monkeypatch.setattr(installed, "vllm", lambda: ("cuda", "0.33.1"))
     with pytest.raises(UnsupportedVllm, match=r"vLLM 0.33.1 is installed, and shardgen supports vLLM 0.32.0"):
@@ -247,7 +251,8 @@ def test_an_engine_the_handle_started_is_started_again_only_for_other_settings_a
 
     import vllm
 
-    from shardgen.engine import STOP_WAIT_SECONDS, Engine, EngineSettings
+    from shardgen.engines.kinds import EngineSettings
+    from shardgen.engines.vllm import STOP_WAIT_SECONDS, Engine
 
     started, stopped, waits = [], [], []
 
@@ -287,7 +292,7 @@ def test_the_engine_counts_what_stats_read_in_place_of_its_prometheus_logger():
 
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    from shardgen.engine import Engine
+    from shardgen.engines.vllm import Engine
 
     prometheus = object.__new__(PrometheusStatLogger)  # the type is what is looked at
     line = types.SimpleNamespace(name="vLLM's log line")

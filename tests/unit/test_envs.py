@@ -57,7 +57,7 @@ def test_generate_env_has_the_cuda_build_of_vllm_with_the_gpu_extras_range():
 
 def test_every_install_pins_the_one_vllm_version_shardgen_supports():
     """The CUDA extra, the CPU extra, the CPU constraints, the conda env and the container: one version."""
-    from shardgen.installed import SUPPORTED_VLLM
+    from shardgen.base.installed import SUPPORTED_VLLM
 
     extras = pyproject()["project"]["optional-dependencies"]
     pins = {
@@ -72,7 +72,7 @@ def test_every_install_pins_the_one_vllm_version_shardgen_supports():
 
 
 def test_a_job_names_the_installed_and_the_supported_vllm_when_they_differ(monkeypatch):
-    from shardgen import installed
+    from shardgen.base import installed
 
     assert installed.version_problem() is None, "the test environment has the supported version"
     monkeypatch.setattr(installed, "vllm", lambda: ("cuda", "0.34.0"))

@@ -9,8 +9,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from shardgen import functions, steps
 from shardgen.config import RunConfig
+from shardgen.features import functions, steps
 from tests.conftest import ROOT
 
 EXAMPLES = ROOT / "config" / "examples"

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from shardgen import cluster, steps
+from shardgen import cluster
 from shardgen.config import RunConfig
-from shardgen.preflight import cpu_demo_settings
+from shardgen.features import steps
+from shardgen.jobs.preflight import cpu_demo_settings
 from tests.conftest import ROOT
 
 EXAMPLES = ROOT / "config" / "examples"
@@ -86,7 +87,7 @@ def test_the_gpu_smoke_script_runs_each_example_that_fits_one_gpu_on_an_input_it
     import subprocess
     import sys
 
-    from shardgen.plan import build_manifest
+    from shardgen.data.plan import build_manifest
 
     script = [sys.executable, str(ROOT / "bench" / "gpu_smoke_examples.py")]
     listed = subprocess.run([*script, "list"], capture_output=True, text=True, check=True).stdout.split()

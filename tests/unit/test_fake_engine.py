@@ -8,10 +8,10 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen import fake_engine
+from shardgen.data.plan import write_manifest
+from shardgen.engines import fake as fake_engine
 from shardgen.errors import ConfigError
-from shardgen.generate import JobContext, run_shard
-from shardgen.plan import write_manifest
+from shardgen.jobs.generate import JobContext, run_shard
 from tests.conftest import ROOT, base_config, make_rows, write_parquet
 from tests.integration.workflow import part_rows
 
@@ -130,8 +130,8 @@ def test_a_feed_stopped_at_a_refused_row_leaves_no_request_it_added_in_the_engin
     consumer stops there (its error budget, a lost claim), those are aborted, not left running."""
     from types import SimpleNamespace
 
-    from shardgen.feed.engine_loop import Feeder
-    from shardgen.feed.requests import Request
+    from shardgen.jobs.feed.engine_loop import Feeder
+    from shardgen.jobs.feed.requests import Request
 
     handle = fake_engine.FakeEngine({"reject_rows": [0]}, _settings=SimpleNamespace(model={}))
     params = SimpleNamespace(n=1, max_tokens=4)

@@ -13,7 +13,7 @@ import pytest
 from huggingface_hub import constants
 from huggingface_hub.errors import LocalEntryNotFoundError
 
-from shardgen.fetch import (
+from shardgen.models.fetch import (
     FetchError,
     engine_model_args,
     main_fetch,
@@ -238,7 +238,7 @@ def test_jobs_get_the_local_snapshot_and_an_offline_environment_without_usage_re
     assert args["model"] == model_path(record) == record["path"]
     assert args["revision"] is None  # the snapshot is one commit; nothing to resolve on the hub
     assert "tokenizer" not in args
-    from shardgen.jobenv import OFFLINE_ENV
+    from shardgen.base.jobenv import OFFLINE_ENV
 
     assert OFFLINE_ENV == {
         "HF_HUB_OFFLINE": "1",
@@ -290,7 +290,7 @@ def test_a_models_digest_follows_its_content_without_reading_its_weights_whole(t
     weights change it, a copy of the directory elsewhere does not."""
     import shutil
 
-    from shardgen.fetch import DIGEST_WHOLE_BYTES, content_digest
+    from shardgen.models.fetch import DIGEST_WHOLE_BYTES, content_digest
 
     model = tmp_path / "m"
     model.mkdir()

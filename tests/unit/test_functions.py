@@ -1,4 +1,4 @@
-"""Python steps (``task: function``, shardgen.functions): the function over a shard's rows in worker
+"""Python steps (``task: function``, shardgen.features.functions): the function over a shard's rows in worker
 processes, per-row errors, resume, the fingerprint of its code, and the preflight's refusals. (Through
 the Slurm profile after the real engine: tests/integration/test_workflow.py, the function step test.)"""
 
@@ -14,12 +14,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardgen import config as cfg
-from shardgen import functions, preflight
+from shardgen.base.rundir import RunDir
 from shardgen.config import RunConfig
+from shardgen.data.plan import write_manifest
 from shardgen.errors import ConfigError
-from shardgen.generate import JobContext, run_shard
-from shardgen.plan import write_manifest
-from shardgen.rundir import RunDir
+from shardgen.features import functions
+from shardgen.jobs import preflight
+from shardgen.jobs.generate import JobContext, run_shard
 from tests.conftest import make_rows, write_parquet
 
 CHECK = """\
@@ -109,7 +110,7 @@ def test_a_batch_function_that_fails_is_run_again_row_by_row_so_only_the_failing
 def test_a_stopped_function_job_resumes_without_calling_the_function_on_saved_rows_again(tmp_path, monkeypatch):
     """Row 10's call sends the job SIGTERM (as Slurm's time limit would): the rows finished are saved, the
     next attempt calls the function on the others only."""
-    from shardgen.stopflag import Interrupted
+    from shardgen.jobs.stopflag import Interrupted
 
     monkeypatch.setenv("CALLS_FILE", str(tmp_path / "calls"))
     monkeypatch.setenv("JOB_PID", str(os.getpid()))  # the workers are a forkserver's children, not the job's

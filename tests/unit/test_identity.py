@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from shardgen import config as cfg
-from shardgen import steps
-from shardgen.identity import shard_fingerprint
-from shardgen.manifest import MANIFEST_VERSION, Manifest
-from shardgen.splits import clip
+from shardgen.data.identity import shard_fingerprint
+from shardgen.data.manifest import MANIFEST_VERSION, Manifest
+from shardgen.features import steps
+from shardgen.features.splits import clip
 
 ENGINE = "0.32.0"
 

@@ -1,5 +1,5 @@
 """``import shardgen`` and ``shardgen status`` stay light: no feature, no pyarrow, until something reads
-a registry (``shardgen.registry``), which then has every feature, as a config needs."""
+a registry (``shardgen.base.registry``), which then has every feature, as a config needs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from shardgen.plan import write_manifest
+from shardgen.data.plan import write_manifest
 from tests.conftest import base_config
 
 HEAVY = ("pyarrow", "jinja2", "vllm", "torch", "transformers")
@@ -35,7 +35,7 @@ def test_shardgen_status_reads_a_run_without_pyarrow_or_the_features_it_does_not
     )
     assert not [m for m in modules if m.split(".")[0] in HEAVY]
     features = [m for m in modules if m.removeprefix("shardgen.") in __import__("shardgen").FEATURES]
-    assert features == ["shardgen.splits"], "the pieces of a split shard, and no other feature"
+    assert features == ["shardgen.features.splits"], "the pieces of a split shard, and no other feature"
 
 
 def test_the_first_read_of_a_registry_imports_every_feature():
@@ -46,9 +46,9 @@ def test_the_first_read_of_a_registry_imports_every_feature():
 def test_the_features_checks_run_in_one_order_whichever_feature_was_imported_first():
     """functions' check before prompts', as shardgen.FEATURES lists them, though prompts is imported first."""
     code = (
-        "import json\nfrom shardgen import prompts\nfrom shardgen import config\n"
+        "import json\nfrom shardgen.requests import prompts\nfrom shardgen import config\n"
         "print(json.dumps([h.__module__ for h in config.AFTER_CORE]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     modules = json.loads(out.splitlines()[-1])
-    assert modules.index("shardgen.functions") < modules.index("shardgen.prompts"), modules
+    assert modules.index("shardgen.features.functions") < modules.index("shardgen.requests.prompts"), modules

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from shardgen.io import Dir, UnsafePath, atomic_write, atomic_write_text, current_umask, replace_dir
+from shardgen.base.io import Dir, UnsafePath, atomic_write, atomic_write_text, current_umask, replace_dir
 
 
 def test_an_atomic_write_replaces_the_file_whole_and_a_failed_one_leaves_the_old_file_and_no_temp(tmp_path):
@@ -41,7 +41,7 @@ def test_files_get_the_umask_s_mode_and_writing_never_changes_the_umask(tmp_path
 def test_the_cli_umask_leaves_other_users_no_permission_unless_world_readable(tmp_path):
     path = str(tmp_path / "f")
     code = (
-        "import os; from shardgen.io import restrict_umask, atomic_write_text; os.umask(0o022); "
+        "import os; from shardgen.base.io import restrict_umask, atomic_write_text; os.umask(0o022); "
         f"restrict_umask({{}}); atomic_write_text({path!r}, 'x'); print(oct(os.stat({path!r}).st_mode & 0o777))"
     )
     private = subprocess.run([sys.executable, "-c", code.format("False")], capture_output=True, text=True, check=True)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from shardgen import kernels
+from shardgen.base import kernels
 
 FLASHINFER = "0.7.0.post1"  # what vLLM 0.32.0 on PyPI requires (flashinfer-python==0.7.0.post1)
 

@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from shardgen.data.outputs import PROVENANCE_KEY
 from shardgen.errors import MergeError, ShardgenError
-from shardgen.merge import merge as merge_files
-from shardgen.outputs import PROVENANCE_KEY
-from shardgen.results import ResultSpec
+from shardgen.jobs.merge import merge as merge_files
+from shardgen.requests.results import ResultSpec
 from tests.conftest import base_config
 
 INPUT = pa.schema([pa.field("text", pa.string())])
@@ -175,7 +175,7 @@ def test_each_output_format_loads_back_with_its_provenance(tmp_path):
 def test_push_to_hub_sends_the_merged_rows_with_the_token_from_the_environment_only(tmp_path, monkeypatch):
     import datasets
 
-    from shardgen.merge import push
+    from shardgen.jobs.merge import push
 
     complete(tmp_path)
     merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "out.jsonl", tmp_path / "s.json", format="jsonl")
@@ -201,7 +201,7 @@ def test_merge_decides_from_the_vllm_the_shards_were_made_with_not_from_its_own_
     import datasets
 
     from shardgen import config as cfg
-    from shardgen.merge import push
+    from shardgen.jobs.merge import push
 
     for shard_id, a, b in PLAN:
         write_shard(tmp_path / "shards", shard_id, range(a, b), vllm="0.32.0")
@@ -225,7 +225,7 @@ def test_merge_refuses_shards_made_with_different_vllm_versions_naming_them(tmp_
 
 
 def test_a_shard_replaced_after_it_was_checked_stops_the_merge_before_anything_is_written(tmp_path, monkeypatch):
-    from shardgen import merge as merge_module
+    from shardgen.jobs import merge as merge_module
 
     complete(tmp_path)
     check = merge_module._check_shards
@@ -257,8 +257,8 @@ def test_a_shard_whose_result_column_doubled_an_input_column_is_refused(tmp_path
 def test_the_provenance_names_no_local_path_unless_asked_to(tmp_path):
     """Outputs get shared and pushed: the model's snapshot directory under a home directory, a
     download_dir, an adapter's path are named by their last component, unless output.provenance_paths."""
-    from shardgen.merge import provenance
-    from shardgen.stats import RunTotals
+    from shardgen.data.stats import RunTotals
+    from shardgen.jobs.merge import provenance
 
     first = {
         "engine": {"vllm_version": "0.32.0", "args": {"model": "/home/ada/.cache/hf/snapshots/abc123",
@@ -280,7 +280,7 @@ def test_a_killed_merge_leaves_nothing_the_next_one_keeps_and_jsonl_rows_and_pro
     """A merge killed mid-write leaves its temporary file (and, for a datasets output, its working
     directory): the next merge removes them. JSON Lines rows and their provenance are two files; one
     killed between the two renames leaves a pair whose disagreement is named, not trusted."""
-    from shardgen import formats
+    from shardgen.data import formats
 
     complete(tmp_path)
     plan = write_plan(tmp_path)

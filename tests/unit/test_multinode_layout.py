@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from shardgen import cluster, multinode
+from shardgen import cluster
 from shardgen.cluster import Request, Unsatisfiable, check_request, parse_sinfo
+from shardgen.engines import multinode
 from shardgen.errors import ConfigError
 from tests.conftest import base_config
 
@@ -126,7 +127,7 @@ def test_worker_nodes_compute_their_own_interfaces_and_cache_and_keep_what_the_u
     """The head sets its own address, interfaces and compile cache before it starts the workers'
     srun step, which copies its environment: a worker whose interface is ens3f0 must not get the
     head's eno1, nor cache under the head's directory. A user's own choice reaches every node."""
-    from shardgen import jobenv
+    from shardgen.base import jobenv
 
     monkeypatch.setattr(jobenv, "set_here", set())
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")  # the user's

@@ -17,7 +17,7 @@ from openai.types import CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
 from shardgen import config as cfg
-from shardgen import formats
+from shardgen.data import formats
 from shardgen.errors import ConfigError, ShardgenError
 from tests.conftest import TEST_MODEL_CFG
 
@@ -98,7 +98,7 @@ def position(sampled: tuple[int, str | None, float], *top: tuple[int, str | None
 def test_log_probabilities_are_openais_chat_and_completions_logprobs_with_each_requests_own_top_k(tmp_path):
     from openai.types import Completion
 
-    from shardgen.rowsampling import logprobs_of
+    from shardgen.requests.rowsampling import logprobs_of
 
     # per position the sampled token, then the top-k (k + 1 entries where the sampled one is not in it)
     two = [position((5, "Hé", -0.1), (6, "Hey", -2.5)), position((9, None, -7.0), (7, "!", -0.3), (8, ".", -1.5))]
@@ -192,8 +192,8 @@ def batch_config(paths: list[str], **extra) -> cfg.RunConfig:
 
 
 def test_a_batch_file_is_sharded_by_line_and_every_request_is_read_once_in_order(tmp_path):
-    from shardgen.manifest import Manifest
-    from shardgen.plan import build_manifest
+    from shardgen.data.manifest import Manifest
+    from shardgen.data.plan import build_manifest
 
     paths = [batch_file(tmp_path / "a.jsonl", [request(i) for i in range(2500)], blank_every=700),
              batch_file(tmp_path / "b.jsonl", [request(i) for i in range(2500, 2600)])]  # fmt: skip
@@ -232,8 +232,8 @@ def test_a_batch_file_is_sharded_by_line_and_every_request_is_read_once_in_order
     ],
 )
 def test_a_batch_file_that_cannot_be_served_is_refused_when_planning_naming_file_and_line(tmp_path, lines, said):
+    from shardgen.data.plan import build_manifest
     from shardgen.errors import InputError
-    from shardgen.plan import build_manifest
 
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -243,8 +243,8 @@ def test_a_batch_file_that_cannot_be_served_is_refused_when_planning_naming_file
 
 def test_a_request_that_is_not_valid_becomes_that_rows_error_naming_the_field():
     from shardgen.errors import RowError
-    from shardgen.feed.requests import RowInputs
-    from shardgen.openai_batch.requests_in import OpenAIBatchSource, request_row
+    from shardgen.features.openai_batch.requests_in import OpenAIBatchSource, request_row
+    from shardgen.jobs.feed.requests import RowInputs
 
     def row(r: dict) -> dict:
         return request_row(json.dumps(r).encode())
@@ -268,8 +268,8 @@ def test_a_request_that_is_not_valid_becomes_that_rows_error_naming_the_field():
 def test_a_request_value_a_row_cannot_hold_is_its_rows_error_and_the_other_requests_are_read(tmp_path):
     """A non-string url, a truncated emoji (a lone surrogate: no UTF-8 for Arrow) in any field: the
     row's invalid_request error naming the field, not a shard whose read fails on every attempt."""
-    from shardgen.manifest import Manifest
-    from shardgen.plan import build_manifest
+    from shardgen.data.manifest import Manifest
+    from shardgen.data.plan import build_manifest
 
     emoji = request(1, messages=[{"role": "user", "content": "Hi \ud83d"}])
     key = request(3, stop=["x"], **{"tag\udc00": 1})
@@ -294,8 +294,8 @@ def test_a_chat_requests_prompt_and_sampling_are_what_vllms_server_makes_of_it_o
     """As vLLM 0.32's OpenAI server reads the same request: text parts joined with a newline, and
     max_completion_tokens before max_tokens; a null text part and the message fields the chat template
     would see beside role and content (name, tool_calls, tool_call_id, ...) are the row's error."""
-    from shardgen.openai_batch.requests_in import request_row
-    from shardgen.rowsampling import overrides, row_sampling
+    from shardgen.features.openai_batch.requests_in import request_row
+    from shardgen.requests.rowsampling import overrides, row_sampling
 
     def row(r: dict) -> dict:
         return request_row(json.dumps(r).encode())
@@ -465,13 +465,13 @@ def test_any_json_in_any_field_is_refused_naming_file_and_line_or_a_row_whose_re
     """Planning refuses a line naming file and line (not JSON, no custom_id, one repeated), or every
     line is its rows, which a job reads and makes requests of, or each row's error, whatever JSON the
     request's fields hold: never a read that fails the shard on every attempt."""
+    from shardgen.data.manifest import Manifest
+    from shardgen.data.plan import build_manifest
     from shardgen.errors import InputError, RowError
-    from shardgen.feed.requests import RowInputs
-    from shardgen.manifest import Manifest
-    from shardgen.openai_batch.requests_in import request_rows
-    from shardgen.openai_batch.results_out import result_line
-    from shardgen.plan import build_manifest
-    from shardgen.prompts import PromptRenderer
+    from shardgen.features.openai_batch.requests_in import request_rows
+    from shardgen.features.openai_batch.results_out import result_line
+    from shardgen.jobs.feed.requests import RowInputs
+    from shardgen.requests.prompts import PromptRenderer
 
     kind = data.draw(st.sampled_from(sorted(fuzz_runs)))
     config = fuzz_runs[kind]
@@ -529,9 +529,9 @@ def score_config(paths: list[str], **extra) -> cfg.RunConfig:
 
 
 def test_a_score_or_rerank_request_is_a_row_per_pair_across_blocks_shards_and_files(tmp_path):
-    from shardgen import openai_batch
-    from shardgen.manifest import Manifest
-    from shardgen.plan import build_manifest
+    from shardgen.data.manifest import Manifest
+    from shardgen.data.plan import build_manifest
+    from shardgen.features import openai_batch
 
     many = [f"doc {j}" for j in range(3 * openai_batch.requests_in.BATCH_BLOCK // 2)]  # a line of rows over two blocks
     paths = [batch_file(tmp_path / "a.jsonl", [score_request(0, text_1="q0", text_2=["a", "b"]),
@@ -574,14 +574,14 @@ def test_a_score_or_rerank_request_is_a_row_per_pair_across_blocks_shards_and_fi
     ],
 )
 def test_a_score_or_rerank_request_that_is_not_valid_is_one_row_whose_error_names_the_field(url, body, said):
-    from shardgen.openai_batch.requests_in import request_rows
+    from shardgen.features.openai_batch.requests_in import request_rows
 
     (row,) = request_rows(json.dumps({"custom_id": "c", "url": url, "body": body}).encode(), pairs=True)
     assert row["request_error"].startswith(said) and row["pair"] is None
 
 
 def test_score_fields_that_change_nothing_or_keep_vllms_default_are_served():
-    from shardgen.openai_batch.requests_in import request_rows
+    from shardgen.features.openai_batch.requests_in import request_rows
 
     body = {"text_1": "q", "text_2": "a", "user": "u", "priority": 0, "max_tokens_per_query": 0,
             "use_activation": None, "chat_template_kwargs": {}}  # fmt: skip
@@ -593,7 +593,7 @@ def test_the_score_fields_are_those_of_vllms_score_and_rerank_requests():
     """Every field vLLM's requests take is a text, ignored, or served at its default: none unnoticed."""
     from vllm.entrypoints.pooling.scoring import protocol
 
-    from shardgen.openai_batch.requests_in import RERANK_TEXTS, SCORE_DEFAULTS, SCORE_IGNORED, SCORE_TEXTS
+    from shardgen.features.openai_batch.requests_in import RERANK_TEXTS, SCORE_DEFAULTS, SCORE_IGNORED, SCORE_TEXTS
 
     common = SCORE_IGNORED | set(SCORE_DEFAULTS)
     forms = [protocol.ScoreQueriesDocumentsRequest, protocol.ScoreQueriesItemsRequest, protocol.ScoreDataRequest,
@@ -606,8 +606,8 @@ def test_the_score_fields_are_those_of_vllms_score_and_rerank_requests():
 
 def test_a_score_run_serves_score_and_rerank_urls_and_refuses_the_others_as_its_rows_errors():
     from shardgen.errors import RowError
-    from shardgen.feed.requests import RowInputs
-    from shardgen.openai_batch.requests_in import OpenAIBatchSource, request_rows, served_urls
+    from shardgen.features.openai_batch.requests_in import OpenAIBatchSource, request_rows, served_urls
+    from shardgen.jobs.feed.requests import RowInputs
 
     config = score_config(["x.jsonl"])
     source = OpenAIBatchSource([], pairs=True)

@@ -8,11 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen import records
+from shardgen.base import records
+from shardgen.base.records import AttemptEnd, AttemptStart
+from shardgen.data.outputs import ShardCheckpoint
 from shardgen.errors import InputError
-from shardgen.outputs import ShardCheckpoint
-from shardgen.records import AttemptEnd, AttemptStart
-from shardgen.results import ResultSpec
+from shardgen.requests.results import ResultSpec
 
 INPUT = pa.schema([pa.field("text", pa.string())])
 
@@ -86,7 +86,7 @@ def test_commit_refuses_an_incomplete_shard(tmp_path):
 
 
 def test_the_error_budget_fails_as_soon_as_the_final_rate_must_exceed_the_limit():
-    from shardgen.feed.shard_loop import ErrorBudget, TooManyErrors
+    from shardgen.jobs.feed.shard_loop import ErrorBudget, TooManyErrors
 
     budget = ErrorBudget("00007", rows=20, max_rate=0.1)  # 2 errors allowed
     budget.add(3, "null_value: column 'x' is null")
@@ -100,7 +100,7 @@ def test_the_error_budget_fails_as_soon_as_the_final_rate_must_exceed_the_limit(
 
 def test_a_symlinked_checkpoint_directory_is_refused_and_nothing_in_its_target_is_touched(tmp_path):
     """The reproduction: results/checkpoints linked to a directory holding a Spark part and notes."""
-    from shardgen.io import UnsafePath
+    from shardgen.base.io import UnsafePath
 
     results, other = tmp_path / "results", tmp_path / "spark-job"
     (other / "00001").mkdir(parents=True)
@@ -177,7 +177,7 @@ def test_attempt_records_keep_the_fields_they_know_and_carry_their_version():
 
 
 def test_a_writer_that_lost_the_shard_records_nothing_in_the_new_owners_attempts(tmp_path):
-    from shardgen.claims import ClaimLost
+    from shardgen.jobs.claims import ClaimLost
 
     old = checkpoint(tmp_path)
     old.log_attempt(start(1, "worker-0"))

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
+from shardgen.data.manifest import Manifest
+from shardgen.data.plan import build_manifest, shard_id_width, write_manifest
 from shardgen.errors import InputError
-from shardgen.manifest import Manifest
-from shardgen.plan import build_manifest, shard_id_width, write_manifest
 from tests.conftest import base_config, make_rows, write_parquet
 
 
@@ -114,7 +114,7 @@ def test_a_result_column_that_a_later_config_adds_is_refused_for_that_config_wit
     """Gold labels in 'label', planned for plain generation; then sampling asks for a choice (which adds
     'label'), or for n > 1 rows per input (which adds 'sample_index'). The plan is not made again: the
     preflight, every job and the merge check the columns for the config they run with."""
-    from shardgen.plan import check_columns
+    from shardgen.data.plan import check_columns
     from tests.conftest import changed
 
     f = write_parquet(tmp_path / "a.parquet", [{"topic": "x", "label": "gold", "sample_index": 0}])
@@ -235,7 +235,7 @@ def _manifest(sizes, estimates=None):
 
 
 def test_workers_take_the_largest_estimated_work_first_and_ties_in_plan_order():
-    from shardgen.manifest import work_order
+    from shardgen.data.manifest import work_order
 
     # the estimate decides, not the rows
     assert work_order(_manifest([5, 5, 5, 5], [10, 40, 10, 40])) == ["00001", "00003", "00000", "00002"]
@@ -248,7 +248,7 @@ def test_workers_take_the_largest_estimated_work_first_and_ties_in_plan_order():
 
 
 def test_the_guided_tail_cuts_the_end_of_the_plan_smaller_down_to_the_floor():
-    from shardgen.plan import TAIL_FLOOR, TAIL_FRACTION, RowCurve, guided_tail
+    from shardgen.data.plan import TAIL_FLOOR, TAIL_FRACTION, RowCurve, guided_tail
 
     total, per, workers = 100_000, 1000, 4
     base = [*range(0, total, per), total]
@@ -271,7 +271,7 @@ def test_the_guided_tail_cuts_the_end_of_the_plan_smaller_down_to_the_floor():
 
 
 def test_the_guided_tail_follows_the_estimated_work():
-    from shardgen.plan import BYTES_PER_TOKEN, TAIL_FLOOR, WorkCurve, guided_tail, shard_works
+    from shardgen.data.plan import BYTES_PER_TOKEN, TAIL_FLOOR, WorkCurve, guided_tail, shard_works
 
     # rows 6,000 to 7,999 take nine times the work of the rows before them: 24,000 in all
     curve = WorkCurve([(6000, 0), (2000, 8 * BYTES_PER_TOKEN * 2000)], 1, 8000)
@@ -289,7 +289,7 @@ def test_the_guided_tail_follows_the_estimated_work():
 
 
 def test_a_guided_tail_shard_has_no_more_rows_than_the_plans_largest():
-    from shardgen.plan import BYTES_PER_TOKEN, WorkCurve, guided_tail
+    from shardgen.data.plan import BYTES_PER_TOKEN, WorkCurve, guided_tail
 
     # one heavy stretch starts the tail; the light rows after it would make tail shards of many rows
     curve = WorkCurve([(1000, 0), (500, 99 * BYTES_PER_TOKEN * 500), (6500, 0)], 1, 8000)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from shardgen import config as cfg
 from shardgen.errors import ConfigError, RowError
-from shardgen.prompts import PromptRenderer
+from shardgen.requests.prompts import PromptRenderer
 
 
 def test_chat_mode_gives_system_then_user_message():
@@ -245,9 +245,9 @@ def test_a_recursive_macro_is_a_config_error():
 
 
 def test_a_render_that_runs_too_long_is_stopped_at_its_deadline(monkeypatch):
-    import shardgen.sandbox
+    import shardgen.base.sandbox
 
-    monkeypatch.setattr(shardgen.sandbox, "RENDER_SECONDS", 0.2)
+    monkeypatch.setattr(shardgen.base.sandbox, "RENDER_SECONDS", 0.2)
     # loops over the row's own data with nothing inside: no call, no output, only the alarm stops it
     template = "{% for a in xs %}{% for b in xs %}{% for c in xs %}{% endfor %}{% endfor %}{% endfor %}x"
     with pytest.raises(RowError, match=r"rendering took more than 0.2 s"):
@@ -278,7 +278,8 @@ def test_the_render_deadline_covers_the_render_only_not_the_batch_around_it(monk
     fire there: a row that rendered in just under the deadline would end the attempt."""
     import time
 
-    from shardgen import prompts, sandbox
+    from shardgen.base import sandbox
+    from shardgen.requests import prompts
 
     monkeypatch.setattr(sandbox, "RENDER_SECONDS", 0.2)
     real_decode = prompts._decode
@@ -298,8 +299,8 @@ def test_chat_template_kwargs_reach_the_template_and_an_unused_one_is_named(mode
     named by the preflight."""
     from transformers import AutoTokenizer
 
-    from shardgen.engine import Tokenizer
-    from shardgen.preflight import unused_template_kwargs
+    from shardgen.engines.kinds import Tokenizer
+    from shardgen.jobs.preflight import unused_template_kwargs
 
     hf = AutoTokenizer.from_pretrained(model_dir)
     hf.chat_template = (

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from shardgen import reasoning
-from shardgen.reasoning import Splitter
+from shardgen.requests import reasoning
+from shardgen.requests.reasoning import Splitter
 
 LABELS = {"structured_outputs": {"choice": ["positive", "negative"]}}
 
@@ -97,7 +97,7 @@ def test_label_probabilities_are_read_at_the_answers_first_position_not_the_trac
     """vLLM gives logprob_token_ids at every position; the labels' first tokens matter after the trace."""
     from types import SimpleNamespace
 
-    from shardgen.tasks import _sample
+    from shardgen.requests.tasks import _sample
 
     def position(lp: dict[int, float]) -> dict:
         return {t: SimpleNamespace(logprob=v, rank=None, decoded_token=None) for t, v in lp.items()}

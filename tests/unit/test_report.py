@@ -23,13 +23,13 @@ import pytest
 import yaml
 
 from shardgen import config as cfg
+from shardgen.commands.report import FILES, length_counts, make_plots, plot_token_lengths, totals
+from shardgen.data.manifest import Manifest
+from shardgen.data.plan import write_manifest
+from shardgen.data.stats import LogHistogram, merge_shard_stats
 from shardgen.errors import ShardgenError
-from shardgen.manifest import Manifest
-from shardgen.merge import merge
-from shardgen.plan import write_manifest
-from shardgen.report import FILES, length_counts, make_plots, plot_token_lengths, totals
-from shardgen.results import ResultSpec
-from shardgen.stats import LogHistogram, merge_shard_stats
+from shardgen.jobs.merge import merge
+from shardgen.requests.results import ResultSpec
 from tests.conftest import make_rows, write_parquet
 from tests.integration.workflow import snakemake_command
 

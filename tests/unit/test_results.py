@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 from shardgen.errors import ConfigError
-from shardgen.results import ResultSpec, Sample, choice_first_tokens, json_arrow_type
+from shardgen.requests.results import ResultSpec, Sample, choice_first_tokens, json_arrow_type
 
 ROW = {"text": "hello"}
 SCHEMA = {

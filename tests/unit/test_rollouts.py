@@ -1,4 +1,4 @@
-"""Rollouts with tools (``rollout``, shardgen.rollouts), the parts without an engine: which kind a
+"""Rollouts with tools (``rollout``, shardgen.features.rollouts), the parts without an engine: which kind a
 rollout makes of a task, the config's refusals, the tools' schemas from their signatures, a turn's
 calls as vLLM's parsers find them, a call in a worker process, the fingerprint of the tools' code.
 (On the real engine: tests/integration/test_rollouts_engine.py; through the Slurm profile:
@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from shardgen import config as cfg
-from shardgen import rollouts, steps
 from shardgen.config import RunConfig, content_fingerprint, validate
 from shardgen.errors import ConfigError
+from shardgen.features import rollouts, steps
 from tests.conftest import MODEL, TEST_MODEL_CFG
 
 TOOLS = """\
@@ -217,7 +217,7 @@ def test_the_example_s_calculator_has_a_schema_from_its_docstring_and_computes_o
 def test_a_rollout_s_openai_batch_response_is_its_last_assistant_message():
     from openai.types.chat import ChatCompletion
 
-    from shardgen.openai_batch.results_out import result_line
+    from shardgen.features.openai_batch.results_out import result_line
 
     call = {"id": "call_0_2_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
     messages = [{"role": "user", "content": "Add."}, {"role": "assistant", "content": None, "tool_calls": [call]},

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from shardgen import config as cfg
-from shardgen import rowsampling
-from shardgen.engine import make_sampling_params
+from shardgen.engines.vllm import make_sampling_params
 from shardgen.errors import ConfigError, RowError
-from shardgen.results import sampling_params as plain_sampling_params
-from shardgen.rowsampling import overrides, row_logprobs, row_sampling
+from shardgen.requests import rowsampling
+from shardgen.requests.results import sampling_params as plain_sampling_params
+from shardgen.requests.rowsampling import overrides, row_logprobs, row_sampling
 from tests.conftest import TEST_MODEL_CFG
 
 

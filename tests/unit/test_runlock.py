@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from shardgen.rundir import HELD_NAME, LOCK_NAME
-from shardgen.runlock import OutputInUse, RunLock
+from shardgen.base.rundir import HELD_NAME, LOCK_NAME
+from shardgen.commands.runlock import OutputInUse, RunLock
 
 HOLD = """
 import sys, time
-from shardgen.runlock import RunLock
+from shardgen.commands.runlock import RunLock
 RunLock.acquire(sys.argv[1], "/somewhere/else", "fp-a")
 print("locked", flush=True)
 time.sleep(600)
@@ -102,14 +102,14 @@ beegfs_nodev /beegfs beegfs rw,cfgFile=/etc/beegfs/beegfs-client.conf 0 0
     ],
 )
 def test_the_mount_table_tells_where_record_locks_hold_on_one_node_only(path, why):
-    from shardgen.runlock import node_local_locks
+    from shardgen.commands.runlock import node_local_locks
 
     found = node_local_locks(path, MOUNTS)
     assert found == why if why is None else found.startswith(why)
 
 
 def test_where_locks_are_node_local_the_run_also_holds_the_lock_file(tmp_path, monkeypatch, caplog):
-    from shardgen import runlock
+    from shardgen.commands import runlock
 
     monkeypatch.setattr(runlock, "node_local_locks", lambda path: "nfs at /x is mounted nolock")
     lock = RunLock.acquire(tmp_path, tmp_path, "fp-a")

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardgen import runstop
-from shardgen.rundir import RunDir
-from shardgen.runstop import RunStop, RunStopped
+from shardgen.base.rundir import RunDir
+from shardgen.commands import runstop
+from shardgen.commands.runstop import RunStop, RunStopped
 
 
 class Scheduler:

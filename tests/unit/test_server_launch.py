@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from shardgen import server_engine as se
-from shardgen.engine import EngineSettings
+from shardgen.engines import server as se
+from shardgen.engines.kinds import EngineSettings
 from shardgen.errors import ConfigError
 from tests.conftest import TEST_MODEL_CFG, base_config, make_rows, write_parquet
 

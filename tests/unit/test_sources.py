@@ -7,10 +7,10 @@ import os
 import pyarrow as pa
 import pytest
 
+from shardgen.data.manifest import Manifest
+from shardgen.data.plan import build_manifest
+from shardgen.data.sources import HFSource, ParquetSource
 from shardgen.errors import InputError
-from shardgen.manifest import Manifest
-from shardgen.plan import build_manifest
-from shardgen.sources import HFSource, ParquetSource
 from tests.conftest import base_config, make_rows
 
 
@@ -71,7 +71,7 @@ def test_load_dataset_arguments_are_passed_through(parquet_files):
 
 
 def test_segments_agree_with_a_walk_over_every_file_for_every_range_including_empty_files():
-    from shardgen.sources import ParquetFileInfo, ParquetSource
+    from shardgen.data.sources import ParquetFileInfo, ParquetSource
 
     sizes = [3, 0, 5, 1, 0, 0, 4]
     src = ParquetSource([ParquetFileInfo(f"f{i}", 0, 0, n) for i, n in enumerate(sizes)], pa.schema([]))
@@ -98,8 +98,8 @@ def test_arrow_view_types_are_read_as_plain_types_and_a_shard_of_them_commits(tm
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from shardgen.outputs import ShardCheckpoint
-    from shardgen.results import result_spec
+    from shardgen.data.outputs import ShardCheckpoint
+    from shardgen.requests.results import result_spec
 
     rows = 10
     table = pa.table(
@@ -140,7 +140,7 @@ def test_a_local_data_file_of_an_hf_input_decides_replanning_as_a_parquet_file_d
     import time
 
     from shardgen.config import InputConfig
-    from shardgen.sources import input_signature
+    from shardgen.data.sources import input_signature
 
     data = tmp_path / "data"
     data.mkdir()
@@ -166,7 +166,7 @@ def test_a_local_data_file_of_an_hf_input_decides_replanning_as_a_parquet_file_d
 def test_a_glob_that_reaches_a_file_twice_lists_it_once(tmp_path):
     """glob.glob returns 'data/sub/x' once for each way 'data/**/**' reaches 'data/sub' (as S3's expansion,
     ``storage.glob_match``, does not): the file is named once, not refused as listed twice."""
-    from shardgen.sources import expand_patterns
+    from shardgen.data.sources import expand_patterns
 
     for path in ("data/a.parquet", "data/sub/b.parquet", "data/sub/deeper/c.parquet"):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
@@ -185,9 +185,9 @@ def test_a_source_kinds_row_checks_and_dropped_rows_reach_the_feed_which_names_n
     own kinds have neither, so a Parquet column named ``dropped`` is just a column."""
     from types import SimpleNamespace
 
-    from shardgen import sources
+    from shardgen.data import sources
     from shardgen.errors import RowError
-    from shardgen.feed.requests import RowInputs, prepared_requests
+    from shardgen.jobs.feed.requests import RowInputs, prepared_requests
 
     def row_check(config):
         def check(row):
@@ -220,7 +220,7 @@ def test_a_source_kinds_row_checks_and_dropped_rows_reach_the_feed_which_names_n
 def test_the_features_source_kinds_answer_for_their_rows():
     """A batch file's rows are requests checked as such, whose ids planning read; the step before's
     rows may be dropped ones, do not exist at the preflight, and are identified by its shards."""
-    from shardgen import sources
+    from shardgen.data import sources
 
     batch, step = sources.source_kind("openai_batch"), sources.source_kind("step")
     assert batch.row_check is not None and batch.ids_planned and batch.read_at_preflight and not batch.drops_rows

@@ -13,15 +13,17 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen import feed, generate, records, splits
-from shardgen.claims import Claim, ClaimBoard, ClaimLost, Holder
+from shardgen.base import records
+from shardgen.base.rundir import RunDir
 from shardgen.config import RunConfig
-from shardgen.engine import EngineSettings
-from shardgen.feed.shard_loop import RowStream, ShardFeed, ShardWork
-from shardgen.manifest import Manifest, Segment, Shard
-from shardgen.rundir import RunDir
-from shardgen.stats import AttemptCounters
-from shardgen.tasks import make_task
+from shardgen.data.manifest import Manifest, Segment, Shard
+from shardgen.data.stats import AttemptCounters
+from shardgen.engines.kinds import EngineSettings
+from shardgen.features import splits
+from shardgen.jobs import feed, generate
+from shardgen.jobs.claims import Claim, ClaimBoard, ClaimLost, Holder
+from shardgen.jobs.feed.shard_loop import RowStream, ShardFeed, ShardWork
+from shardgen.requests.tasks import make_task
 
 # rows [100, 160) of the input: the last 20 rows of file 0 (rows 80..99 of it), then 40 of file 1
 SHARD = Shard("00003", 100, 160, [Segment(0, 80, 100), Segment(1, 0, 40)])
@@ -96,7 +98,7 @@ class FakeEngine:
 
 def split_run(tmp_path, monkeypatch) -> tuple[RunConfig, RunDir]:
     """A run of 2 workers over one shard of 60 rows, saved every 5 rows, at most a tenth of them errors."""
-    from shardgen.plan import write_manifest
+    from shardgen.data.plan import write_manifest
     from tests.conftest import base_config, write_parquet
 
     monkeypatch.setattr(splits, "POLL_S", 0.0)  # the holder looks for a request at every poll (one stat)
@@ -269,7 +271,7 @@ def test_once_asked_the_feed_reads_no_row_ahead_to_sort_so_the_next_split_has_ro
     reads a row only when it has none left to give the engine, so rows past the floor stay unread."""
     from types import SimpleNamespace
 
-    from shardgen.feed.requests import prepared_requests
+    from shardgen.jobs.feed.requests import prepared_requests
 
     renderer = SimpleNamespace(render_batch=lambda rows: [r["p"] for r in rows])
     tokenizer = SimpleNamespace(encode_batch=lambda prompts: [[len(p)] for p in prompts])
@@ -292,7 +294,7 @@ def test_prefix_order_sorts_what_a_piece_finishes_in_a_minute_so_a_split_has_row
     """A tail shard of the plan is a quarter of an average shard (2,500 rows of 10,000): a fixed window of
     2,048 beside 512 in flight read it whole at its start, and a split had nothing to give (issue 38).
     A piece a split may cut sorts what it finishes in ORDER_WINDOW_SECONDS; a run without splits, all."""
-    from shardgen.feed.requests import ORDER_WINDOW_MIN, ORDER_WINDOW_SECONDS, order_window
+    from shardgen.jobs.feed.requests import ORDER_WINDOW_MIN, ORDER_WINDOW_SECONDS, order_window
 
     assert order_window(512) == 2048 and order_window(8) == 1024, "no splits: the whole window"
     assert order_window(512, 100.0) == 2048, "fast rows: the whole window"
@@ -311,9 +313,9 @@ def test_a_feed_sorts_the_whole_window_unless_a_split_may_cut_its_piece_then_wha
     import time
     from types import SimpleNamespace
 
-    from shardgen.feed.requests import ORDER_WINDOW_SECONDS
-    from shardgen.feed.shard_loop import ShardFeed
-    from shardgen.stats import AttemptCounters
+    from shardgen.data.stats import AttemptCounters
+    from shardgen.jobs.feed.requests import ORDER_WINDOW_SECONDS
+    from shardgen.jobs.feed.shard_loop import ShardFeed
 
     engine = SimpleNamespace(max_num_seqs=256)
 
@@ -355,7 +357,7 @@ def test_a_cut_whose_record_cannot_be_written_stays_made_and_ends_the_holders_at
     def full(fd, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("shardgen.io.write_all", full)
+    monkeypatch.setattr("shardgen.base.io.write_all", full)
     with pytest.raises(OSError, match="No space left"):
         holder.decide(130)
     monkeypatch.undo()
@@ -375,7 +377,7 @@ def test_without_split_seconds_a_holder_answers_no_request_but_its_commit_still_
 
 
 def test_the_error_budget_of_a_cut_shard_is_of_its_rows_now():
-    from shardgen.feed.shard_loop import ErrorBudget, TooManyErrors
+    from shardgen.jobs.feed.shard_loop import ErrorBudget, TooManyErrors
 
     budget = ErrorBudget("00003", 60, 0.1)  # 6 errors allowed
     for i in range(4):

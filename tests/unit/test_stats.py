@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardgen.stats import LogHistogram, merge_shard_stats, summary_text
+from shardgen.data.stats import LogHistogram, merge_shard_stats, summary_text
 
 
 def test_histogram_quantiles_are_within_five_percent():
@@ -94,7 +94,7 @@ def test_a_pooling_shard_has_rows_and_prompt_token_rates_and_no_output_token_fig
 
     import pyarrow as pa
 
-    from shardgen.stats import AttemptCounters, shard_stats
+    from shardgen.data.stats import AttemptCounters, shard_stats
 
     table = pa.table({"row_index": [0, 1], "prompt_tokens": [5, 7], "label": ["a", "b"], "error": [None, None]})
     counters = AttemptCounters(rows=2, requests=2, prompt_tokens=12)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from shardgen.base.records import AttemptEnd, AttemptStart, Progress
 from shardgen.cli import main
-from shardgen.records import AttemptEnd, AttemptStart, Progress
-from shardgen.status import format_status, read_status
+from shardgen.commands.status import format_status, read_status
 
 
 def iso(t):
@@ -102,11 +102,11 @@ def test_status_reads_the_attempts_the_job_writes_and_any_failure_an_error_decla
     of each error), not by hand; a new kind of failure shows as failed, not pending."""
     import pyarrow as pa
 
+    from shardgen.base.records import AttemptStart, attempt_end
+    from shardgen.data.outputs import ShardCheckpoint
     from shardgen.errors import ShardgenError
-    from shardgen.outputs import ShardCheckpoint
-    from shardgen.records import AttemptStart, attempt_end
-    from shardgen.results import ResultSpec
-    from shardgen.stopflag import Interrupted
+    from shardgen.jobs.stopflag import Interrupted
+    from shardgen.requests.results import ResultSpec
 
     class Preempted(ShardgenError):
         outcome = "preempted_for_good"
@@ -129,7 +129,7 @@ def test_status_reads_the_attempts_the_job_writes_and_any_failure_an_error_decla
 
 
 def _running(id, rows, done, rate, now):
-    from shardgen.status import ShardState
+    from shardgen.commands.status import ShardState
 
     started = now - (done / rate if rate else 0)
     span = (started, now, done) if rate else None
@@ -137,7 +137,7 @@ def _running(id, rows, done, rate, now):
 
 
 def test_the_eta_is_the_rows_left_at_the_runs_rate_unless_a_running_shard_ends_later():
-    from shardgen.status import RunStatus, ShardState
+    from shardgen.commands.status import RunStatus, ShardState
 
     now = time.time()
     # four shards of 1,000 rows at 1 row/s each over the last 100 s, and 2,000 rows pending:
@@ -161,7 +161,7 @@ def test_the_eta_is_the_rows_left_at_the_runs_rate_unless_a_running_shard_ends_l
 
 
 def test_no_eta_without_a_rate():
-    from shardgen.status import RunStatus, ShardState
+    from shardgen.commands.status import RunStatus, ShardState
 
     now = time.time()
     st = RunStatus(Path("/run"), [ShardState("00000", 10), _running("00001", 10, 0, None, now)], now, 600.0, {})

@@ -1,7 +1,7 @@
 """The Slurm executor plugin's own status check (``Executor.check_active_jobs`` of the installed
 snakemake-executor-plugin-slurm), run against stand-ins of ``scontrol``, ``squeue`` and ``sacct``
 on PATH: a check whose queries all fail loses the run's jobs without shardgen's guard, and keeps
-them with it (shardgen.statuscheck)."""
+them with it (shardgen.commands.statuscheck)."""
 
 import asyncio
 import logging
@@ -12,7 +12,7 @@ import pytest
 from snakemake_executor_plugin_slurm import Executor
 from snakemake_interface_executor_plugins.executors.base import SubmittedJobInfo
 
-from shardgen.statuscheck import keep_unseen_jobs
+from shardgen.commands.statuscheck import keep_unseen_jobs
 
 
 class FakeJob:

@@ -1,4 +1,4 @@
-"""Runs of steps (shardgen.steps): the steps' configs, which rows a step passes on, and how the next
+"""Runs of steps (shardgen.features.steps): the steps' configs, which rows a step passes on, and how the next
 step reads them. The whole run, with the real engine and Slurm: tests/integration/test_workflow.py."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pyarrow as pa
 import pytest
 
 from shardgen import config as cfg
-from shardgen import steps
 from shardgen.errors import ConfigError, InputError
+from shardgen.features import steps
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ def test_pairs_and_keep_if(chain):
 
 def test_a_best_of_or_pairs_by_a_column_that_is_not_a_number_is_refused_when_the_step_plans(chain, tmp_path):
     """Found by the judge's plan (``plan.write_manifest``), before any of its GPU work."""
-    from shardgen.plan import write_manifest
+    from shardgen.data.plan import write_manifest
 
     for kind in ("best_of", "pairs"):
         chained = copy.deepcopy(chain)
@@ -144,7 +144,7 @@ def test_a_best_of_or_pairs_by_a_column_that_is_not_a_number_is_refused_when_the
 def test_a_slow_keep_if_drops_that_row_with_its_reason_and_the_others_are_judged(monkeypatch):
     """The alarm's ``TemplateTimeout`` (a BaseException, so that Jinja's own handlers cannot swallow it)
     is that row's reason, as a value keep_if cannot take is: the select goes on."""
-    from shardgen import sandbox
+    from shardgen.base import sandbox
 
     monkeypatch.setattr(sandbox, "RENDER_SECONDS", 0.01)
     table = _judged([0.9, 0.9, 0.1, 0.9]).append_column("slow", pa.array([0, 1, 0, 0]))
@@ -169,7 +169,7 @@ def test_an_input_column_named_like_the_steps_bookkeeping_is_refused_when_the_fi
     user's ``reasoning_tokens`` (a bookkeeping column of a reasoning step) would not be passed on."""
     import pyarrow.parquet as pq
 
-    from shardgen.plan import write_manifest
+    from shardgen.data.plan import write_manifest
 
     for column in ("dropped", "reasoning_tokens"):
         path = tmp_path / f"{column}.parquet"
@@ -226,7 +226,7 @@ def test_the_steps_recipes_of_the_readmes_are_valid_configs():
 def test_timing_tells_how_long_a_step_ran_alongside_the_one_before_and_waited_for_its_input(tmp_path):
     import json
 
-    from shardgen.rundir import RunDir
+    from shardgen.base.rundir import RunDir
 
     def write(step: str, shard: str, start: str, end: str) -> dict:
         run_dir = RunDir(tmp_path / step)
@@ -245,8 +245,8 @@ def test_timing_tells_how_long_a_step_ran_alongside_the_one_before_and_waited_fo
 def test_a_later_steps_preflight_reads_none_of_its_rows_which_the_step_before_makes_later(chain, tmp_path, model_dir):
     """Every step's preflight runs before the step before has committed a shard: the judge's reads none
     of its rows (its source's kind says they are not there to read), and passes on what it can check."""
-    from shardgen import preflight
-    from shardgen.plan import write_manifest
+    from shardgen.data.plan import write_manifest
+    from shardgen.jobs import preflight
 
     chain["steps"][1] = {"name": "judge", "prompt": {"template": "Is this about {{ topic }}? {{ draft_generation }}"}}
     draft, judge = (cfg.RunConfig.from_dict(c) for c in steps.step_configs(cfg.validate(chain)))

@@ -13,13 +13,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shardgen import storage, trust
+from shardgen import trust
+from shardgen.base import storage
+from shardgen.base.storage import StorageError
 from shardgen.config import RunConfig
+from shardgen.data.manifest import Manifest, Segment
+from shardgen.data.plan import build_manifest
 from shardgen.errors import ConfigError, InputError
-from shardgen.manifest import Manifest, Segment
-from shardgen.merge import upload
-from shardgen.plan import build_manifest
-from shardgen.storage import StorageError
+from shardgen.jobs.merge import upload
 from tests.conftest import make_rows, s3_bucket, write_parquet
 
 pytestmark = pytest.mark.usefixtures("s3_server")
@@ -189,7 +190,7 @@ def test_an_upload_cut_off_leaves_no_part_of_the_file_under_its_name_and_the_rer
 
 
 def test_the_input_signature_of_objects_changes_when_one_is_rewritten_so_the_run_plans_again(tmp_path, s3_server):
-    from shardgen.sources import input_signature
+    from shardgen.data.sources import input_signature
 
     client = s3_bucket(s3_server, "signed")
     client.put_object(Bucket="signed", Key="a.parquet", Body=parquet_bytes(make_rows(3)))
@@ -220,7 +221,7 @@ def test_planning_objects_reads_their_footers_only_and_says_how_much(tmp_path, s
 
 
 def storage_source(patterns: list[str], endpoint: str):
-    from shardgen.sources import ParquetSource
+    from shardgen.data.sources import ParquetSource
 
     return ParquetSource.scan(patterns, {"endpoint_url": endpoint})
 
@@ -256,8 +257,8 @@ def test_a_compute_job_that_cannot_read_the_objects_is_named_with_its_node_befor
 ):
     """``shardgen reach-storage`` (the rule reach_storage, a job like the generate jobs but with no GPU):
     planned from the login node, then read from a node whose reads are refused (403)."""
-    from shardgen.preflight import reach_storage
-    from shardgen.rundir import RunDir
+    from shardgen.base.rundir import RunDir
+    from shardgen.jobs.preflight import reach_storage
     from tests.s3faults import FaultProxy
 
     client = s3_bucket(s3_server, "reach")
@@ -299,7 +300,7 @@ def test_an_object_rewritten_in_place_with_the_same_size_is_another_input_for_it
     tmp_path, s3_server, monkeypatch
 ):
     from shardgen import config as cfg
-    from shardgen.identity import shard_fingerprint
+    from shardgen.data.identity import shard_fingerprint
 
     monkeypatch.setattr(cfg, "engine_version", lambda: "0.32.0")
     client = s3_bucket(s3_server, "rewritten")
@@ -397,7 +398,7 @@ def test_an_s3_glob_selects_the_objects_the_same_glob_selects_of_the_same_files_
 ):
     import os
 
-    from shardgen.sources import expand_patterns
+    from shardgen.data.sources import expand_patterns
 
     client = s3_bucket(s3_server, bucket)
     keys = ["data/part-1.parquet", "data/part-2.parquet", "data/a/part-3.parquet", "data/a/b/part-4.parquet",

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from shardgen import config as cfg
-from shardgen import storage, trust
+from shardgen import trust
+from shardgen.base import storage
 from shardgen.errors import ConfigError, InputError
 from tests.conftest import S3_ENV
 

@@ -14,10 +14,10 @@ import pytest
 from safetensors.numpy import save_file
 
 from shardgen import config as cfg
-from shardgen import heads
 from shardgen.errors import ConfigError, ShardgenError
-from shardgen.results import PoolingSpec, result_spec
-from shardgen.tasks import KINDS
+from shardgen.models import heads
+from shardgen.requests.results import PoolingSpec, result_spec
+from shardgen.requests.tasks import KINDS
 from tests.conftest import MODEL
 from tests.unit.test_config import minimal
 
@@ -182,7 +182,7 @@ def test_the_fingerprint_of_a_pooling_run_follows_its_pooling_keys_and_not_sampl
 def test_a_text_pair_is_tokenized_as_the_tokenizer_joins_pairs():
     from transformers import AutoTokenizer
 
-    from shardgen.engine import Tokenizer
+    from shardgen.engines.kinds import Tokenizer
 
     hf = AutoTokenizer.from_pretrained(MODEL)
     tok = Tokenizer(hf, 64, generates=False)
@@ -224,7 +224,7 @@ def test_an_adapter_not_declared_or_not_used_is_a_config_error(lora, message):
 
 def test_each_row_runs_with_the_adapter_its_column_names_and_an_unknown_name_is_a_row_error():
     from shardgen.errors import RowError
-    from shardgen.lora import adapter_name
+    from shardgen.requests.lora import adapter_name
 
     lora = cfg.RunConfig.from_dict(lora_config(column="which")).lora
     assert adapter_name(lora, {"which": "b"}) == "b"
@@ -238,7 +238,7 @@ def test_each_row_runs_with_the_adapter_its_column_names_and_an_unknown_name_is_
 
 
 def test_an_adapter_above_the_engine_s_largest_rank_or_not_an_adapter_is_a_preflight_problem(tmp_path):
-    from shardgen import lora
+    from shardgen.requests import lora
 
     (tmp_path / "big").mkdir()
     (tmp_path / "big" / "adapter_config.json").write_text(json.dumps({"r": 24}))
@@ -250,7 +250,7 @@ def test_an_adapter_above_the_engine_s_largest_rank_or_not_an_adapter_is_a_prefl
 
 
 def test_a_missing_adapter_stops_the_fetch_step_naming_it(tmp_path):
-    from shardgen.fetch import FetchError, resolve_model
+    from shardgen.models.fetch import FetchError, resolve_model
 
     with pytest.raises(FetchError, match="lora.adapters.mine: no such directory"):
         resolve_model({"model": str(MODEL)}, allow_download=False, adapters={"mine": str(tmp_path / "nope")})
@@ -267,7 +267,7 @@ def test_an_image_cell_is_bytes_a_path_or_a_datasets_image_and_a_broken_one_is_a
     from PIL import Image
 
     from shardgen.errors import RowError
-    from shardgen.images import decode
+    from shardgen.requests.images import decode
 
     buf = io.BytesIO()
     Image.new("L", (5, 4)).save(buf, format="PNG")
@@ -282,7 +282,7 @@ def test_an_image_cell_is_bytes_a_path_or_a_datasets_image_and_a_broken_one_is_a
 
 
 def test_images_go_before_the_text_of_the_user_message_and_need_chat_mode():
-    from shardgen.prompts import PromptRenderer
+    from shardgen.requests.prompts import PromptRenderer
 
     r = PromptRenderer("Describe {{ topic }}.", images=["a", "b"])
     assert r.render({"topic": "x"}) == [
@@ -309,9 +309,9 @@ def test_a_datasets_image_column_saved_to_disk_reaches_the_feed_as_cells_that_de
     import datasets
     from PIL import Image
 
-    from shardgen.images import row_images
-    from shardgen.manifest import Manifest
-    from shardgen.plan import build_manifest
+    from shardgen.data.manifest import Manifest
+    from shardgen.data.plan import build_manifest
+    from shardgen.requests.images import row_images
     from tests.conftest import base_config
 
     colors = [(255, 0, 0), (0, 0, 255), (0, 128, 0)]
@@ -329,7 +329,7 @@ def test_a_positions_log_probabilities_put_the_sampled_token_first_then_the_top_
     OpenAI's logprobs need, and a temperature > 0 may sample any of them, or one outside the top-k."""
     from types import SimpleNamespace
 
-    from shardgen.tasks import _sample
+    from shardgen.requests.tasks import _sample
 
     def lp(logprob: float, rank: int) -> SimpleNamespace:
         return SimpleNamespace(logprob=logprob, rank=rank, decoded_token=f"t{rank}")

@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardgen import functions, openai_batch, rollouts
-from shardgen.functions import FunctionSpec
-from shardgen.outputs import ShardCheckpoint, lone_surrogate, repaired_text
-from shardgen.results import ResultSpec, Sample
+from shardgen.data.outputs import ShardCheckpoint, lone_surrogate, repaired_text
+from shardgen.features import functions, openai_batch, rollouts
+from shardgen.features.functions import FunctionSpec
+from shardgen.requests.results import ResultSpec, Sample
 
 INPUT = pa.schema([pa.field("text", pa.string())])
 ROW = {"text": "hello"}

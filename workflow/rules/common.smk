@@ -5,14 +5,14 @@ from pathlib import Path
 
 from shardgen import cluster
 from shardgen import config as shardgen_config
-from shardgen.installed import slurm_plugin_problem
-from shardgen.io import restrict_umask
-from shardgen.runlock import RunLock
-from shardgen.rundir import RunDir
-from shardgen.runstop import RunStop
-from shardgen.statuscheck import keep_unseen_jobs
-from shardgen.sources import input_signature
-from shardgen.stats import summary_text
+from shardgen.base.installed import slurm_plugin_problem
+from shardgen.base.io import restrict_umask
+from shardgen.commands.runlock import RunLock
+from shardgen.base.rundir import RunDir
+from shardgen.commands.runstop import RunStop
+from shardgen.commands.statuscheck import keep_unseen_jobs
+from shardgen.data.sources import input_signature
+from shardgen.data.stats import summary_text
 
 # Files this run creates (its config and lock here, the rules' outputs and
 # logs in the commands, which inherit the umask) get no permissions for other
@@ -33,7 +33,7 @@ MERGED = RUN_DIR.merged(RUN.output.format)
 CONFIG_JSON = shardgen_config.write_resolved(config, RUN_DIR.root)
 GPUS = RUN.gpus
 # A job over several nodes (resources.nodes): shardgen starts the other nodes'
-# part of the engine itself (shardgen.multinode). `mpi` makes the Slurm
+# part of the engine itself (shardgen.engines.multinode). `mpi` makes the Slurm
 # plugins run the rule's command in the batch step, with the whole
 # allocation, instead of in a one-task srun step on the first node, which
 # cannot hold more than one node's GPUs; one task per node.
@@ -43,7 +43,7 @@ MULTINODE_RESOURCES = (
 PER_JOB = RUN.shards.per_job
 WORKERS = RUN.shards.workers
 # A later step of a run of steps plans from the step before it, and its shard i reads that step's
-# committed shard i (shardgen.steps); every step's generate jobs wait for every step's preflight.
+# committed shard i (shardgen.features.steps); every step's generate jobs wait for every step's preflight.
 STEP_BEFORE = RunDir(RUN.input.step["dir"]) if RUN.input.step else None
 # (ancient: whether they exist, not their times; a step's preflight reruns with its config, which
 # reruns no other step's jobs)
@@ -66,7 +66,7 @@ GENERATE_RULE = (
     else "generate_shards" if PER_JOB > 1 else "generate_shard"
 )
 TIME_LIMIT = None
-# Stops the run from the pending watcher's thread (shardgen.runstop: why it cannot be lost).
+# Stops the run from the pending watcher's thread (shardgen.commands.runstop: why it cannot be lost).
 RUN_STOP = None
 # The rules that run before any shard is generated.
 BEFORE_GENERATE = {"fetch_model", "plan_shards", "preflight"}
@@ -162,7 +162,7 @@ def all_shard_outputs(wildcards):
 
 def step_before_shard(wildcards):
     """A later step of a run of steps: the same shard of the step before it, committed (a run of
-    steps has a job per shard: shardgen.steps.step_configs)."""
+    steps has a job per shard: shardgen.features.steps.step_configs)."""
     if STEP_BEFORE is None:
         return []
     return [

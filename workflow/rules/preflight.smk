@@ -1,5 +1,5 @@
 # Preflight: every check that can run before a GPU job is submitted.
-from shardgen.preflight import storage_objects
+from shardgen.jobs.preflight import storage_objects
 
 
 rule preflight:

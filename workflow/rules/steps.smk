@@ -1,9 +1,9 @@
 # A run of steps (`steps:`): this workflow once per step, as a Snakemake module with the
-# step's own config (shardgen.steps.step_configs: its rules are named <step>_<rule>, its
+# step's own config (shardgen.features.steps.step_configs: its rules are named <step>_<rule>, its
 # files are under <output.dir>/steps/<step>/), and the run's output: the last step's rows
 # after its select. The run's handlers hold the whole run; the steps' own do not run.
-from shardgen.io import restrict_umask
-from shardgen.rundir import RunDir
+from shardgen.base.io import restrict_umask
+from shardgen.base.rundir import RunDir
 
 restrict_umask(config["output"]["world_readable"])
 RUN_DIR = RunDir(config["output"]["dir"])
@@ -53,7 +53,7 @@ rule select_output:
         " --stats {output.stats:q} > {log:q} 2>&1"
 
 
-# output.upload: the run's output and stats to object storage (shardgen.merge.upload)
+# output.upload: the run's output and stats to object storage (shardgen.jobs.merge.upload)
 rule upload_output:
     input:
         dataset=rules.select_output.output.dataset,

@@ -4,11 +4,11 @@ from pathlib import Path
 
 from shardgen import cluster
 from shardgen.config import RunConfig
-from shardgen.installed import slurm_plugin_problem
-from shardgen.runlock import RunLock
-from shardgen.runstop import RunStop
-from shardgen.statuscheck import keep_unseen_jobs
-from shardgen.storage import require_writable
+from shardgen.base.installed import slurm_plugin_problem
+from shardgen.commands.runlock import RunLock
+from shardgen.commands.runstop import RunStop
+from shardgen.commands.statuscheck import keep_unseen_jobs
+from shardgen.base.storage import require_writable
 
 RUN_STOP = None
 

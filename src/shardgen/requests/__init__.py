@@ -1,0 +1,1 @@
+"""Requests: the task kinds, their prompts and parameters, and the results that come back."""
