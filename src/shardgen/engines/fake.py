@@ -118,6 +118,20 @@ class FakeLogprob:
     decoded_token: str | None
 
 
+def fast_tokenizer(path: str, trust_remote_code: bool) -> Any:
+    """The model's tokenizer, as the fake engine needs it: its fast tokenizer (``tokenizer.json``, its
+    special tokens and chat template) without the model classes ``AutoTokenizer`` imports to choose one,
+    which import torch (2 to 3 s of each fake job); ``AutoTokenizer`` where the model has no
+    ``tokenizer.json`` or brings its own code."""
+    if not trust_remote_code and (Path(path) / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast  # only where a job runs the fake (a second to import)
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
 @dataclass
 class FakeEngine(eng.OutsideEngine):
     """A job's handle on the fake engine (``engine.KINDS["fake"]``), with ``engine.Engine``'s methods.
@@ -150,12 +164,8 @@ class FakeEngine(eng.OutsideEngine):
         if self._hf is not None and settings.kwargs != self._settings.kwargs:
             self.close()  # other settings (an attempt after running out of memory): started again, as vLLM's
         if self._hf is None:
-            from transformers import AutoTokenizer  # only where a job runs the fake (seconds to import)
-
             model = settings.model
-            self._hf = AutoTokenizer.from_pretrained(
-                model.get("tokenizer") or model["model"], trust_remote_code=bool(model.get("trust_remote_code"))
-            )
+            self._hf = fast_tokenizer(model.get("tokenizer") or model["model"], bool(model.get("trust_remote_code")))
             self._model_config = json.loads((Path(model["model"]) / "config.json").read_text())
             self._settings, self.answered = settings, 0
             self.starts += 1
