@@ -2,7 +2,9 @@
 run with it (their greedy text differs from the base model's on the same prompt), a row naming an
 undeclared adapter is a per-row error, and the output's provenance names the adapter. On vLLM's
 CPU build a row without an adapter is a per-row error too: batched with adapter rows it would run
-with an adapter (shardgen.requests.lora's docstring has the vLLM source)."""
+with an adapter (shardgen.requests.lora's docstring has the vLLM source). The same run on vLLM's own
+server (engine.kind: server), which its job starts serving the adapter by name, gives each row the
+same text and error."""
 
 from __future__ import annotations
 
@@ -56,3 +58,14 @@ def test_rows_run_with_the_adapter_their_column_names_and_an_unknown_one_is_a_ro
     assert stats["error_reasons"] == {"unknown_adapter": 1, "base_row_with_lora_on_cpu": len(TOPICS)}
     # named by its last component: local paths stay out of the provenance unless output.provenance_paths
     assert stats["provenance"]["lora_adapters"]["tuned"]["path"] == f"<local>/{ADAPTER.name}"
+
+    # the same run on vLLM's server, the adapter served by its name (--lora-modules), a row's model
+    on_server = tmp_path / "server"
+    on_server.mkdir()
+    run_workflow(on_server, {**config, "engine": {"kind": "server", "server": {"preset": "vllm"}}}, "local")
+    served = pq.read_table(on_server / "results" / "output.parquet").to_pylist()
+
+    def outcome(r):
+        return r["id"], r["generation"], (r["error"] or "").split(":")[0]
+
+    assert [outcome(r) for r in served] == [outcome(r) for r in table]

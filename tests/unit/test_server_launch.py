@@ -36,6 +36,22 @@ def test_the_vllm_preset_runs_vllms_server_module_on_loopback_with_every_engine_
     assert "KEY" not in " ".join(cmd), "the key goes in the server's environment (VLLM_API_KEY), not its argv"
 
 
+def test_the_vllm_preset_serves_the_runs_lora_adapters_by_name_as_vllms_own_parser_reads_them():
+    import argparse
+
+    from vllm.entrypoints.launchers.cli_args import LoRAParserAction
+
+    adapters = {"tuned": "/models/a,b", "other": "/models/o"}  # a comma: vLLM reads name=path only without one
+    cmd = se.launch_command({"preset": "vllm"}, {"model": "m", "enable_lora": True}, 1, "k", adapters)
+    assert "--enable-lora" in cmd
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lora-modules", nargs="+", action=LoRAParserAction)
+    given = cmd[cmd.index("--lora-modules") + 1 :]
+    served = parser.parse_args(["--lora-modules", *given]).lora_modules
+    assert {(m.name, m.path) for m in served} == set(adapters.items())
+    assert "--lora-modules" not in command("vllm"), "none without adapters"
+
+
 def test_each_other_preset_builds_its_documented_launch_line():
     sglang = command("sglang")
     assert sglang[1:3] == ["-m", "sglang.launch_server"] and after(sglang, "--model-path") == MODEL["model"]
@@ -56,8 +72,8 @@ def test_each_other_preset_builds_its_documented_launch_line():
 def test_a_command_of_ones_own_gets_the_model_host_port_and_key_filled_in_and_is_split_not_shelled():
     cmd = command("vllm", command="my-server --weights {model} --bind {host}:{port} --token {api_key} ';ls'")
     assert cmd == ["my-server", "--weights", MODEL["model"], "--bind", "127.0.0.1:8123", "--token", "KEY", ";ls"]
-    listed = se.launch_command({"command": ["srv", "{port}"]}, {"model": "m"}, 9, "k")
-    assert listed == ["srv", "9"]
+    listed = se.launch_command({"command": ["srv", "{port}", '{"a": {"b": 1}}']}, {"model": "m"}, 9, "k")
+    assert listed == ["srv", "9", '{"a": {"b": 1}}'], "other braces kept (a JSON argument)"
 
 
 def test_a_request_carries_the_prompts_token_ids_and_its_sampling_under_vllms_names():
@@ -91,6 +107,7 @@ def plan_config(tmp_path, **overrides):
         ("vllm", {"task": "embed", "sampling": {}}, "task: embed"),
         ("vllm", {"sampling": {"max_tokens": 4, "reasoning_parser": "deepseek_r1"}}, "sampling.reasoning_parser"),
         ("sglang", {"sampling": {"max_tokens": 4, "logprobs": 2}}, "sampling.logprobs on preset sglang"),
+        ("trtllm", {"lora": {"adapters": {"tuned": "/a"}, "column": "adapter"}}, "lora.adapters on preset trtllm"),
         ("lmdeploy", {"output": {"choice_probs": True}, "sampling": {"structured_outputs": {"choice": ["a", "b"]}}},
          "sampling.structured_outputs on preset lmdeploy .*, output.choice_probs on preset lmdeploy"),
     ],

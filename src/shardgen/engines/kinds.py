@@ -96,6 +96,7 @@ class EngineSettings:
         environment: variables the job sets before the engine starts.
         notes: warnings for the job's log.
         nodes: the nodes the engine spans (``resources.nodes``; ``multinode``).
+        adapters: the run's LoRA adapters, each name's local directory (a server serves them by name).
     """
 
     model: dict[str, Any]
@@ -107,6 +108,7 @@ class EngineSettings:
     environment: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     nodes: int = 1
+    adapters: dict[str, str] = field(default_factory=dict)
 
     @property
     def gpus_per_node(self) -> int:
@@ -207,6 +209,7 @@ class EngineSettings:
             environment=environment,
             notes=notes,
             nodes=config.resources.nodes,
+            adapters={name: str(r["path"]) for name, r in (model_record.get("adapters") or {}).items()},
         )
 
 

@@ -15,9 +15,10 @@ answers and connection errors (``engine.server.max_retries``) and a per-request 
 (``engine.server.request_timeout_seconds``). A request the server refuses (400, 422) is its row's
 ``rejected_by_engine`` error; a server that cannot answer fails the attempt, whose retry resumes.
 
-What a server run serves: text generation with the ``sampling`` settings (structured outputs through the
-server's own fields: vLLM's ``structured_outputs``), ``n`` samples, per-row sampling. What it does not (yet)
-is refused when the run plans, naming the key (``check_config``).
+What a server run serves: text generation with the ``sampling`` settings, ``n`` samples, per-row sampling;
+on vLLM's server also structured outputs (vLLM's ``structured_outputs`` fields), log-probabilities, the
+labels' probabilities, rollouts and LoRA adapters by name (docs/engines.md). What it does not (yet) is
+refused when the run plans, naming the key (``check_config``).
 """
 
 from __future__ import annotations
@@ -78,16 +79,20 @@ def _flag(name: str, value: Any) -> list[str]:
     return [flag, str(value)]
 
 
-def _vllm(model: Mapping[str, Any], port: int) -> list[str]:
+def _vllm(model: Mapping[str, Any], port: int, adapters: Mapping[str, str]) -> list[str]:
     """vLLM's OpenAI-compatible server (``vllm serve``; the module, which the CPU build's ``vllm`` command
     cannot run: its CLI reads the ``vllm`` distribution's metadata) with every engine argument of the
-    config (vllm/engine/arg_utils.py: each ``EngineArgs`` field is a flag), the key from ``VLLM_API_KEY``."""
+    config (vllm/engine/arg_utils.py: each ``EngineArgs`` field is a flag), the key from ``VLLM_API_KEY``,
+    and the run's LoRA adapters served by their names (``--lora-modules`` in its JSON form,
+    vllm/entrypoints/launchers/cli_args.py: ``LoRAParserAction``), which a request names as its model."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", HOST, "--port", str(port),
            "--disable-uvicorn-access-log"]  # a line per request would fill the shard's log  # fmt: skip
     for name, value in model.items():
         if name in ("disable_log_stats",):
             continue
         cmd += _flag(name, value)
+    if adapters:
+        cmd += ["--lora-modules", *(json.dumps({"name": n, "path": p}) for n, p in sorted(adapters.items()))]
     return cmd
 
 
@@ -125,7 +130,7 @@ def _mapped(model: Mapping[str, Any], flags: Mapping[str, str]) -> list[str]:
     return [part for key, flag in flags.items() if model.get(key) is not None for part in (flag, str(model[key]))]
 
 
-def _sglang(model: Mapping[str, Any], port: int) -> list[str]:
+def _sglang(model: Mapping[str, Any], port: int, adapters: Mapping[str, str]) -> list[str]:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model["model"]),
            "--host", HOST, "--port", str(port), "--api-key", "{api_key}"]  # fmt: skip
     if model.get("trust_remote_code"):
@@ -133,14 +138,14 @@ def _sglang(model: Mapping[str, Any], port: int) -> list[str]:
     return cmd + _mapped(model, _SGLANG_FLAGS)
 
 
-def _trtllm(model: Mapping[str, Any], port: int) -> list[str]:
+def _trtllm(model: Mapping[str, Any], port: int, adapters: Mapping[str, str]) -> list[str]:
     cmd = ["trtllm-serve", "serve", str(model["model"]), "--host", HOST, "--port", str(port), "--backend", "pytorch"]
     if model.get("trust_remote_code"):
         cmd.append("--trust_remote_code")
     return cmd + _mapped(model, _TRTLLM_FLAGS)
 
 
-def _lmdeploy(model: Mapping[str, Any], port: int) -> list[str]:
+def _lmdeploy(model: Mapping[str, Any], port: int, adapters: Mapping[str, str]) -> list[str]:
     cmd = ["lmdeploy", "serve", "api_server", str(model["model"]), "--server-name", HOST,
            "--server-port", str(port), "--api-keys", "{api_key}"]  # fmt: skip
     if model.get("trust_remote_code"):
@@ -152,18 +157,32 @@ def _lmdeploy(model: Mapping[str, Any], port: int) -> list[str]:
 PRESETS = {"vllm": (_vllm, True), "sglang": (_sglang, True), "trtllm": (_trtllm, False), "lmdeploy": (_lmdeploy, True)}
 
 
-def launch_command(server: Mapping[str, Any], model: Mapping[str, Any], port: int, api_key: str) -> list[str]:
+def launch_command(
+    server: Mapping[str, Any],
+    model: Mapping[str, Any],
+    port: int,
+    api_key: str,
+    adapters: Mapping[str, str] | None = None,
+) -> list[str]:
     """The command that starts the server of ``engine.server`` for the engine arguments ``model``
-    (``EngineSettings.kwargs``) on ``port``: the preset's line, or ``engine.server.command`` with
+    (``EngineSettings.kwargs``) and the LoRA adapters by name (``EngineSettings.adapters``; the ``vllm``
+    preset's, which the others refuse) on ``port``: the preset's line, or ``engine.server.command`` with
     ``{model}``, ``{host}``, ``{port}`` and ``{api_key}`` filled in."""
     if server.get("command"):
         command = server["command"]
         parts = shlex.split(command) if isinstance(command, str) else list(command)
     else:
         build, _ = PRESETS[server["preset"]]
-        parts = build(model, port)
+        parts = build(model, port, adapters or {})
     values = {"model": str(model.get("model", "")), "host": HOST, "port": str(port), "api_key": api_key}
-    return [p.format(**values) if "{" in p else p for p in parts]
+    return [_filled(p, values) for p in parts]
+
+
+def _filled(part: str, values: Mapping[str, str]) -> str:
+    """``part`` with each ``{name}`` of ``values`` filled in; any other brace is kept (a JSON argument)."""
+    for name, value in values.items():
+        part = part.replace("{" + name + "}", value)
+    return part
 
 
 def _free_port() -> int:
@@ -318,7 +337,7 @@ class ServerEngine(eng.OutsideEngine):
             self._wait_ready(key, self.server.get("start_timeout_seconds") or 60)
         else:
             port, key = _free_port(), secrets.token_urlsafe(24)
-            cmd = launch_command(self.server, model, port, key)
+            cmd = launch_command(self.server, model, port, key, settings.adapters)
             env = {**os.environ, API_KEY_ENV: key, "VLLM_API_KEY": key}
             shown = " ".join(shlex.quote(p.replace(key, "<key>")) for p in cmd)
             log.info("starting the server: %s", shown)
@@ -385,7 +404,7 @@ class ServerEngine(eng.OutsideEngine):
 
     def _served_model(self, key: str) -> str:
         models = json.loads(self._get("/v1/models", key))["data"]
-        return models[0]["id"]
+        return next((m["id"] for m in models if not m.get("parent")), models[0]["id"])  # not a LoRA adapter
 
     def tokenizer(self, generates: bool = True, chat_template_kwargs: Any = None) -> eng.Tokenizer:
         return eng.Tokenizer(self._hf, self._max_model_len, generates, chat_template_kwargs)
@@ -396,7 +415,8 @@ class ServerEngine(eng.OutsideEngine):
         assert self._pool is not None
         for r in requests:
             ids = list(r.prompt["prompt_token_ids"])
-            body = completion_body(self.model or "", ids, r.params)
+            # a row's LoRA adapter is a model the server serves by its name (vLLM's --lora-modules)
+            body = completion_body(r.lora.name if r.lora is not None else self.model or "", ids, r.params)
             self._pending[r.request_id] = (self._pool.submit(self._complete, body), ids)
         return [None] * len(requests)
 
@@ -505,8 +525,6 @@ def check_config(config: dict[str, Any]) -> None:
     refused = []
     if task.name != "generate" or not task.uses_engine:
         refused.append(f"task: {task.name}")
-    if (config.get("lora") or {}).get("adapters"):
-        refused.append("lora.adapters")
     if (config.get("prompt") or {}).get("images"):
         refused.append("prompt.images")
     sampling = config.get("sampling") or {}
@@ -521,6 +539,7 @@ def check_config(config: dict[str, Any]) -> None:
         for key, given in (("sampling.structured_outputs", sampling.get("structured_outputs")),
                            ("sampling.logprobs", sampling.get("logprobs") is not None),
                            ("output.choice_probs", (config.get("output") or {}).get("choice_probs")),
+                           ("lora.adapters", (config.get("lora") or {}).get("adapters")),
                            ("rollout", config.get("rollout"))):  # fmt: skip
             if given:
                 refused.append(f"{key} on preset {server['preset']} (vLLM's request fields)")
@@ -528,7 +547,7 @@ def check_config(config: dict[str, Any]) -> None:
         raise ConfigError(
             f"engine.kind: server does not serve {', '.join(refused)} yet (it serves text generation with the "
             "sampling settings, n samples, and on vLLM's server structured outputs, log-probabilities, "
-            "output.choice_probs and rollouts): use engine.kind: vllm"
+            "output.choice_probs, rollouts and LoRA adapters): use engine.kind: vllm"
         )
 
 
