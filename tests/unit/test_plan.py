@@ -336,3 +336,58 @@ def test_workers_get_the_guided_tail_by_default_and_none_turns_it_off(parquet_fi
     plain = build_manifest(base_config(inputs, shards={"rows_per_shard": 2}))
     assert by_default["tail"] == {"kind": "guided", "workers": 2} and by_default["shards"] == guided["shards"]
     assert "tail" not in off and off["shards"] == plain["shards"]
+
+
+# -- a plan made again keeps the shards of the plan before it -------------------------------------------
+
+
+def _grown(tmp_path, config_for, added: str, **shards):
+    """A plan over two files, then the same with a third file ``added`` (a name that sorts after or
+    before them) in the same directory; both plans written as the workflow writes them."""
+    data = tmp_path / "d"
+    write_parquet(data / "b.parquet", make_rows(10, 0))
+    write_parquet(data / "c.parquet", make_rows(7, 10))
+    manifest = tmp_path / "plan" / "manifest.json"
+    before = write_manifest(config_for(data, **shards), manifest)
+    manifest.unlink()  # Snakemake removes a job's outputs before it runs again
+    write_parquet(data / added, make_rows(13, 100))
+    return before, write_manifest(config_for(data, **shards), manifest)
+
+
+def _parquet_dir(data, **shards):
+    return base_config({"parquet": [str(data / "*.parquet")]}, shards={"rows_per_shard": 4, **shards})
+
+
+@pytest.mark.parametrize("shards", [{}, {"balance": "tokens"}, {"tail": "guided", "workers": 2}], ids=str)
+def test_a_file_added_after_the_others_keeps_every_shard_planned_and_gets_shards_of_its_own(tmp_path, shards):
+    before, after = _grown(tmp_path, _parquet_dir, "d.parquet", **shards)
+    kept = len(before["shards"])
+    assert after["shards"][:kept] == before["shards"], "every shard as it was: the same rows, ids, fingerprints"
+    new = after["shards"][kept:]
+    assert new and all(seg[0] == 2 for s in new for seg in s["segments"]), "the new shards hold the new file alone"
+    assert new[0]["start"] == before["total_rows"] and new[-1]["stop"] == after["total_rows"] == 30
+    assert [s["id"] for s in after["shards"]] == [f"{i:05d}" for i in range(len(after["shards"]))]
+    assert all(a["stop"] == b["start"] for a, b in itertools.pairwise(after["shards"])), "every row once, in order"
+    # a plan from nothing over the grown input is the one a first run would make; this one differs only after
+    # the kept shards
+    from shardgen.data import plan as planning
+
+    fresh = planning.build_manifest(_parquet_dir(tmp_path / "d", **shards))
+    assert {k: v for k, v in fresh.items() if k != "shards"} == {k: v for k, v in after.items() if k != "shards"}
+
+
+def test_a_file_added_before_the_others_or_an_edited_one_plans_again_from_there(tmp_path):
+    before, after = _grown(tmp_path, _parquet_dir, "a.parquet")  # sorts first: nothing kept
+    assert after == build_manifest(_parquet_dir(tmp_path / "d")), "planned as a first run would"
+    assert [f["path"][-9:] for f in after["source"]["files"]] == [
+        "a.parquet",
+        *(f["path"][-9:] for f in before["source"]["files"]),
+    ]
+    manifest = tmp_path / "plan" / "manifest.json"
+    write_parquet(tmp_path / "d" / "c.parquet", make_rows(9, 10))  # the last file edited
+    edited = write_manifest(_parquet_dir(tmp_path / "d"), manifest)
+    kept = [s for s in after["shards"] if all(seg[0] < 2 for seg in s["segments"])]
+    assert edited["shards"][: len(kept)] == kept and edited["shards"][len(kept)]["start"] == kept[-1]["stop"]
+    assert edited["total_rows"] == 13 + 10 + 9
+    other = write_manifest(_parquet_dir(tmp_path / "d", rows_per_shard=5), manifest)  # other settings
+    assert other == build_manifest(_parquet_dir(tmp_path / "d", rows_per_shard=5)), "nothing kept"

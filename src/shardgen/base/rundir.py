@@ -6,6 +6,7 @@ place that names them; the workflow's rules (``common.smk``) ask it for their in
 rather than formatting paths, and every command that reads or writes the directory does the same::
 
     plan/manifest.json            the shards (plan_shards)
+    plan/manifest.last.json       its copy, whose shards the next plan keeps (plan.last_plan)
     plan/model.json               where the model is (fetch_model)
     plan/preflight.json           the checks before any GPU job (preflight)
     plan/configs/<digest>.json    the resolved config each command reads, named by its content

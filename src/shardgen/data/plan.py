@@ -5,6 +5,10 @@ segments it covers, plus what the source looked like when planned (file sizes
 and modification times, or the dataset's fingerprint), so a job can refuse
 input that changed since. The same input and config always give the same
 manifest.
+
+A plan made again keeps the shards of the plan before it (``kept_shards``) as far as their files are
+the same ones, in the same order: files added after them get new shards, so a grown dataset's
+committed shards are kept (their fingerprints do not change) and only the new rows are generated.
 """
 
 from __future__ import annotations
@@ -35,10 +39,13 @@ def shard_id_width(num_shards: int) -> int:
     return max(5, len(str(max(num_shards - 1, 0))))
 
 
-def shards_between(source: Source, cuts: list[int]) -> list[Shard]:
-    """The shards from each cut (a row index) to the next, numbered in order."""
-    width = shard_id_width(len(cuts) - 1)
-    return [Shard(f"{i:0{width}d}", a, b, source.segments(a, b)) for i, (a, b) in enumerate(itertools.pairwise(cuts))]
+def shards_between(source: Source, cuts: list[int], first: int = 0, width: int = 0) -> list[Shard]:
+    """The shards from each cut (a row index) to the next, numbered in order from ``first``."""
+    width = max(width, shard_id_width(first + len(cuts) - 1))
+    return [
+        Shard(f"{first + i:0{width}d}", a, b, source.segments(a, b))
+        for i, (a, b) in enumerate(itertools.pairwise(cuts))
+    ]
 
 
 # shards.balance: tokens. Prompt bytes per token of a BPE tokenizer on English text (an estimate:
@@ -97,10 +104,10 @@ class RowCurve:
 
 
 def balanced_cuts(
-    total: int, rows_per_shard: int, blocks: Iterable[tuple[int, int]], output_tokens: int
+    total: int, rows_per_shard: int, blocks: Iterable[tuple[int, int]], output_tokens: int, start: int = 0
 ) -> tuple[list[int], WorkCurve]:
-    """The cuts of shards of about equal estimated work (``shards.balance: tokens``), and the work curve
-    they follow.
+    """The cuts of shards of about equal estimated work (``shards.balance: tokens``) from row ``start``,
+    and the work curve they follow.
 
     ``blocks``: ``(rows, prompt bytes)`` in row order (``Source.byte_blocks``);
     a row's work is its block's prompt bytes per row as tokens, plus
@@ -110,14 +117,15 @@ def balanced_cuts(
     add shards).
     """
     curve = WorkCurve(blocks, output_tokens, total)
-    count = -(-total // rows_per_shard)
-    target = curve.total / count
-    cuts, k = [0], 1
+    count = max(-(-(total - start) // rows_per_shard), 1)
+    base = curve.work_to(start)
+    target = (curve.total - base) / count
+    cuts, k = [start], 1
     while cuts[-1] < total:
-        start = cuts[-1]
-        stop = curve.row_reaching(k * target) if k < count else total
-        cuts.append(min(max(stop, start + 1), start + MAX_ROWS_FACTOR * rows_per_shard, total))
-        while k < count and curve.work_to(cuts[-1]) >= k * target * (1 - 1e-12):
+        a = cuts[-1]
+        stop = curve.row_reaching(base + k * target) if k < count else total
+        cuts.append(min(max(stop, a + 1), a + MAX_ROWS_FACTOR * rows_per_shard, total))
+        while k < count and curve.work_to(cuts[-1]) - base >= k * target * (1 - 1e-12):
             k += 1
     return cuts, curve
 
@@ -145,13 +153,13 @@ def guided_tail(cuts: list[int], curve: WorkCurve | RowCurve, workers: int) -> l
     estimate. Deterministic; every row stays in exactly one shard, in order.
     """
     total = cuts[-1]
-    if total == 0 or workers < 1:
+    if total == cuts[0] or workers < 1:
         return list(cuts)
     work = curve.work_to
     end = work(total)
-    floor = TAIL_FLOOR * end / (len(cuts) - 1)
+    floor = TAIL_FLOOR * (end - work(cuts[0])) / (len(cuts) - 1)
     rows = max(b - a for a, b in itertools.pairwise(cuts))  # and no more rows than the plan's largest shard
-    out = [0]
+    out = [cuts[0]]
     for a, b in itertools.pairwise(cuts):
         if work(b) - work(a) <= TAIL_FRACTION * (end - work(a)) / workers:
             out.append(b)
@@ -197,8 +205,35 @@ def _renderer(config: RunConfig) -> PromptRenderer | None:
     return PromptRenderer.from_config(config.prompt) if config.kind.uses_engine else None
 
 
-def build_manifest(config: RunConfig) -> dict[str, Any]:
-    """The manifest for a run.
+# What a plan must share with the plan before it for that one's shards to be kept.
+PLAN_SETTINGS = ("version", "rows_per_shard", "balance", "tail")
+
+
+def kept_shards(previous: dict[str, Any] | None, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The shards of the plan before (``previous``, a manifest) that ``plan`` (a manifest without shards
+    yet) keeps: the longest run of its first shards whose files are still the first files of the
+    input, the same ones (path, size, modification time, rows, ETag) in the same order. With the same
+    settings (``PLAN_SETTINGS``) and input files only; none otherwise.
+
+    A file added after them gets new shards, and a committed shard that is kept keeps its fingerprint,
+    so its job keeps it: a grown dataset generates its new rows alone. A file edited, removed, or added
+    before others ends the kept run at that file: its shards and all after it are planned again (their
+    rows generated again)."""
+    if not previous or any(previous.get(k) != plan.get(k) for k in PLAN_SETTINGS):
+        return []
+    before, now = previous["source"], plan["source"]
+    if "files" not in before or "files" not in now:
+        return []
+    if {k: v for k, v in before.items() if k != "files"} != {k: v for k, v in now.items() if k != "files"}:
+        return []
+    pairs = zip(before["files"], now["files"], strict=False)
+    same = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(before["files"]), len(now["files"])))
+    return list(itertools.takewhile(lambda s: all(seg[0] < same for seg in s["segments"]), previous["shards"]))
+
+
+def build_manifest(config: RunConfig, previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest for a run; with the manifest of the plan before it (``previous``), the shards of
+    that one it keeps (``kept_shards``) and new ones after them.
 
     Raises:
         InputError: the input cannot be read, or a column the run needs is
@@ -218,20 +253,31 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
             "Set input.allow_empty: true to end such runs cleanly with an empty output"
         )
     per_shard, total = config.shards.rows_per_shard, source.num_rows
+    guided = config.shards.tail == "guided"
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "source": source.to_manifest(),
+        "total_rows": total,
+        "rows_per_shard": per_shard,
+        "balance": config.shards.balance,
+    }
+    if guided:  # only then: the manifests of other plans stay as they were
+        manifest["tail"] = {"kind": "guided", "workers": config.shards.workers}
+    kept = kept_shards(previous, manifest)
+    start = kept[-1]["stop"] if kept else 0
     works: list[float] | None = None
     curve: WorkCurve | RowCurve = RowCurve(total)
-    if config.shards.balance == "tokens" and total and renderer is not None:
+    if config.shards.balance == "tokens" and total > start and renderer is not None:
         blocks = source.byte_blocks(sorted(renderer.columns))
-        cuts, curve = balanced_cuts(total, per_shard, blocks, config.sampling.max_tokens * config.sampling.n)
+        cuts, curve = balanced_cuts(total, per_shard, blocks, config.sampling.max_tokens * config.sampling.n, start)
     else:
-        cuts = [*range(0, total, per_shard), total]
-    guided = config.shards.tail == "guided"
+        cuts = [*range(start, total, per_shard), total] if total > start else [start]
     if guided:
         cuts = guided_tail(cuts, curve, config.shards.workers or 1)
-    shards = shards_between(source, cuts)
+    shards = shards_between(source, cuts, len(kept), len(kept[0]["id"]) if kept else 0)
     if isinstance(curve, WorkCurve):
         works = shard_works(curve, cuts)
-    entries = []
+    entries = list(kept)
     for i, s in enumerate(shards):
         entry = {
             "id": s.id,
@@ -242,21 +288,24 @@ def build_manifest(config: RunConfig) -> dict[str, Any]:
         if works is not None:
             entry["estimated_tokens"] = round(works[i])
         entries.append(entry)
-    manifest = {
-        "version": MANIFEST_VERSION,
-        "source": source.to_manifest(),
-        "total_rows": total,
-        "rows_per_shard": per_shard,
-        "balance": config.shards.balance,
-    }
-    if guided:  # only then: the manifests of other plans stay as they were
-        manifest["tail"] = {"kind": "guided", "workers": config.shards.workers}
     return manifest | {"shards": entries}
 
 
 def write_manifest(config: RunConfig, path: str | Path) -> dict[str, Any]:
-    manifest = build_manifest(config)
+    """Plan the run into ``path``, keeping the shards of the plan before it: the one at ``path``, or,
+    where the workflow removed it before planning again (as Snakemake does a job's outputs), its copy
+    beside it (``last_plan``)."""
+    path = Path(path)
+    previous = next((json.loads(p.read_text()) for p in (path, last_plan(path)) if p.exists()), None)
+    manifest = build_manifest(config, previous)
     for check in PLAN_CHECKS:
         check(config, Manifest(manifest))
-    atomic_write_text(path, json.dumps(manifest, indent=1) + "\n")
+    text = json.dumps(manifest, indent=1) + "\n"
+    atomic_write_text(path, text)
+    atomic_write_text(last_plan(path), text)
     return manifest
+
+
+def last_plan(manifest: Path) -> Path:
+    """The copy of the last plan beside its manifest, which the next plan keeps shards of."""
+    return manifest.with_name(manifest.stem + ".last.json")
