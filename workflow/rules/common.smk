@@ -1,5 +1,4 @@
 # Glue: paths, config lookups and input functions. Logic lives in the package.
-import functools
 import json
 import shlex
 from pathlib import Path
@@ -12,8 +11,6 @@ from shardgen.commands.runlock import RunLock
 from shardgen.base.rundir import RunDir
 from shardgen.commands.runstop import RunStop
 from shardgen.commands.statuscheck import keep_unseen_jobs
-from shardgen.data.identity import planned_rows as shard_rows
-from shardgen.data.manifest import Manifest
 from shardgen.data.sources import input_signature
 from shardgen.data.stats import summary_text
 
@@ -161,27 +158,6 @@ def all_shard_outputs(wildcards):
         "parquet": expand(str(RUN_DIR.shard_file("{shard}")), shard=ids),
         "stats": expand(str(RUN_DIR.shard_stats("{shard}")), shard=ids),
     }
-
-
-@functools.cache
-def _manifest(path, mtime_ns):
-    return Manifest.load(path)
-
-
-def planned_rows(wildcards):
-    """What identifies the rows of a generate job's shards in the plan (a parameter: a plan made again
-    reruns the jobs whose rows it changed). A later step's are its step before's shards, an input.
-    """
-    path = checkpoints.plan_shards.get().output.manifest
-    manifest = _manifest(path, Path(path).stat().st_mtime_ns)
-    if "shard" in wildcards.keys():
-        ids = [wildcards.shard]
-    elif "job" in wildcards.keys():
-        ids = job_shards()[wildcards.job]
-    else:  # a worker takes any shard
-        ids = [s.id for s in manifest.shards]
-    rows = [shard_rows(manifest, manifest.shard(i)) for i in ids]
-    return shardgen_config.digest(rows)
 
 
 def step_before_shard(wildcards):

@@ -4,11 +4,9 @@
 
 rule generate_shard:
     input:
-        # ancient: a plan made again reruns the jobs whose rows it changed (params.rows), not the
-        # others, whose committed shards it kept (shardgen.data.plan.kept_shards)
-        manifest=ancient(rules.plan_shards.output.manifest),
+        manifest=rules.plan_shards.output.manifest,
         # no GPU job starts before the run passed its checks (a run of steps: every step's)
-        preflight=ancient(rules.preflight.output.report),
+        preflight=rules.preflight.output.report,
         preflights=STEP_PREFLIGHTS,
         storage=STORAGE_REACH,
         step_before=step_before_shard,
@@ -39,9 +37,8 @@ rule generate_shard:
         config=run_config,
         # a parameter, not an input: fetching again (a new download_dir) reruns no shard
         model_record=RUN_DIR.model_record,
-        # rerun when anything that decides the generated text changes: the config, the rows
+        # rerun when anything that decides the generated text changes
         fingerprint=RUN.fingerprint,
-        rows=planned_rows,
         # the shards or the worker, and where they go: each value quoted
         job=generate_args,
     shell:

@@ -12,6 +12,8 @@ rather than formatting paths, and every command that reads or writes the directo
     plan/configs/<digest>.json    the resolved config each command reads, named by its content
     shards/<shard>.parquet        a committed shard ...
     shards/<shard>.stats.json     ... and its stats: both, or it is not committed
+    shards/kept/<shard>-<start>-<fingerprint>.*   links to a committed shard's file and stats, which
+                                  a job links back where Snakemake removed them (generate.keep)
     shards/job-<shard>.json       shards.per_job: a job's record of its shards
     shards/workers/<i>.json       shards.workers: a worker's record of its shards
     checkpoints/<shard>/          a shard in progress: parts, attempts.jsonl, progress.json
@@ -89,6 +91,11 @@ class RunDir:
 
     def shard_stats(self, shard: str) -> Path:
         return self.shards / f"{shard}.stats.json"
+
+    def kept(self, shard: str, start: int, fingerprint: str) -> tuple[Path, Path]:
+        """The links to a committed shard's file and stats under its content (``generate.keep``)."""
+        stem = self.shards / "kept" / f"{shard}-{start}-{fingerprint}"
+        return stem.with_suffix(".parquet"), stem.with_suffix(".stats.json")
 
     def job_record(self, first_shard: str) -> Path:
         return self.shards / f"job-{first_shard}.json"

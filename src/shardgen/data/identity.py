@@ -15,24 +15,16 @@ from shardgen.data.manifest import Manifest, Shard
 
 def shard_fingerprint(config: RunConfig, manifest: Manifest, shard: Shard) -> str:
     """Everything that decides the shard's content: its input rows and the content config."""
-    inputs = planned_rows(manifest, shard)
-    if inputs is None:  # what the source's kind says identifies them
-        inputs = manifest.source_kind.rows_identity(manifest.source(), shard)  # type: ignore[misc]
-    return digest({"config": content_config(config.raw), "rows": inputs})
-
-
-def planned_rows(manifest: Manifest, shard: Shard) -> Any:
-    """What identifies a shard's rows from the plan alone: each segment's file by its path, size and
-    modification time and the segment's rows (input files: Parquet, a feature's), or the dataset's
-    fingerprint and the shard's rows; None where the source's kind says what identifies them
-    (``rows_identity``: the step before's committed shards)."""
     src = manifest.data["source"]
-    if "files" in src:
+    rows_identity = manifest.source_kind.rows_identity
+    if "files" in src:  # input files (Parquet, a feature's): each by its path, size and modification time
         files = src["files"]
-        return [_file_identity(files[s.file]) | {"start": s.start, "stop": s.stop} for s in shard.segments]
-    if manifest.source_kind.rows_identity is not None:
-        return None
-    return {"fingerprint": src["fingerprint"], "start": shard.start, "stop": shard.stop}
+        inputs: Any = [_file_identity(files[s.file]) | {"start": s.start, "stop": s.stop} for s in shard.segments]
+    elif rows_identity is not None:  # what the source's kind says identifies them
+        inputs = rows_identity(manifest.source(), shard)
+    else:  # a dataset, by its own fingerprint
+        inputs = {"fingerprint": src["fingerprint"], "start": shard.start, "stop": shard.stop}
+    return digest({"config": content_config(config.raw), "rows": inputs})
 
 
 def _file_identity(f: dict[str, Any]) -> dict[str, Any]:

@@ -291,12 +291,18 @@ def run_shard(
                         log.info("shard %s: committed meanwhile by the job that held it; kept", shard_id)
                         claim.release()
                         return json.loads(Path(stats_path).read_text())
+                if claim is not None and (kept := restore(config, Manifest.load(manifest_path), shard_id, output,
+                                                          stats_path)) is not None:  # fmt: skip
+                    claim.release()
+                    return kept
                 guard = context.guard or claim.check
                 job = ShardJob.prepare(config, manifest_path, shard_id, context.model_record, guard)
                 counters = AttemptCounters()
                 try:
                     run = _run(job, context, counters)
                     stats = job.commit(output, stats_path, run)
+                    if splits.parent_id(shard_id) == shard_id:  # (a piece's worker holds its files)
+                        keep(run_dir, job.shard, job.fingerprint, output, stats_path)
                 except BaseException as e:
                     job.record_end(e, counters)
                     raise
@@ -405,6 +411,56 @@ def _feed(job: ShardJob, context: JobContext, run: AttemptRun, log_start: int, l
 
 
 # -- The run's shards: which are committed, and what an elastic worker may claim ----------------------
+
+
+# -- Kept shards: a plan made again keeps a committed shard that Snakemake removed ------------------------
+# A grown input is planned again (plan.kept_shards keeps the shards of its files as they were), and Snakemake
+# then reruns every shard job, removing its file and stats first. A committed shard is also linked under
+# its content (RunDir.kept: its id, first row and fingerprint), and a job whose shard has those links back
+# them instead of generating it. One link per shard id: a shard committed again replaces its old one.
+
+
+def keep(run_dir: RunDir, shard: Shard, fingerprint: str, output: str | Path, stats: str | Path) -> None:
+    """Link the committed shard's file and stats under its content (a copy where links are not possible)."""
+    parquet, record = run_dir.kept(shard.id, shard.start, fingerprint)
+    parquet.parent.mkdir(exist_ok=True)
+    for old in parquet.parent.glob(f"{shard.id}-*"):
+        old.unlink(missing_ok=True)
+    try:
+        for source, link in ((output, parquet), (stats, record)):
+            _link(Path(source), link)
+    except OSError as e:  # a full disk: the shard is committed; a later plan generates it again
+        log.warning("shard %s: could not keep a link to it (%s)", shard.id, e)
+
+
+def restore(config: RunConfig, manifest: Manifest, shard_id: str, output: str | Path, stats: str | Path) -> Any:
+    """The stats of the shard linked back from its kept links (``keep``), or None where it has none: its
+    file first, its stats last (the two make it committed), both as new to Snakemake as the job."""
+    if splits.parent_id(shard_id) != shard_id:
+        return None
+    shard = manifest.shard(shard_id)
+    parquet, record = RunDir(config.output.dir).kept(shard_id, shard.start, shard_fingerprint(config, manifest, shard))
+    if not (parquet.exists() and record.exists()):
+        return None
+    for link, target in ((parquet, Path(output)), (record, Path(stats))):
+        target.unlink(missing_ok=True)
+        _link(link, target)
+        os.utime(target)
+    if not committed(config, manifest, shard, output, stats):
+        Path(stats).unlink(missing_ok=True)
+        return None
+    log.info("shard %s: its rows were committed before with this content; linked back from %s", shard_id, parquet)
+    return json.loads(Path(stats).read_text())
+
+
+def _link(source: Path, link: Path) -> None:
+    link.unlink(missing_ok=True)
+    try:
+        os.link(source, link)
+    except OSError:  # a file system without hard links
+        import shutil  # (only there)
+
+        shutil.copy2(source, link)
 
 
 def committed(config: RunConfig, manifest: Manifest, shard: Shard, path: str | Path, stats: str | Path) -> bool:
