@@ -421,12 +421,15 @@ def _feed(job: ShardJob, context: JobContext, run: AttemptRun, log_start: int, l
 
 
 def keep(run_dir: RunDir, shard: Shard, fingerprint: str, output: str | Path, stats: str | Path) -> None:
-    """Link the committed shard's file and stats under its content (a copy where links are not possible)."""
+    """Link the committed shard's file and stats under its content (a copy where links are not possible):
+    the run directory's own shard files only (a shard written elsewhere, in process, is no run's)."""
+    if Path(output).absolute() != run_dir.shard_file(shard.id).absolute():
+        return
     parquet, record = run_dir.kept(shard.id, shard.start, fingerprint)
-    parquet.parent.mkdir(exist_ok=True)
-    for old in parquet.parent.glob(f"{shard.id}-*"):
-        old.unlink(missing_ok=True)
     try:
+        parquet.parent.mkdir(parents=True, exist_ok=True)
+        for old in parquet.parent.glob(f"{shard.id}-*"):
+            old.unlink(missing_ok=True)
         for source, link in ((output, parquet), (stats, record)):
             _link(Path(source), link)
     except OSError as e:  # a full disk: the shard is committed; a later plan generates it again
@@ -436,10 +439,11 @@ def keep(run_dir: RunDir, shard: Shard, fingerprint: str, output: str | Path, st
 def restore(config: RunConfig, manifest: Manifest, shard_id: str, output: str | Path, stats: str | Path) -> Any:
     """The stats of the shard linked back from its kept links (``keep``), or None where it has none: its
     file first, its stats last (the two make it committed), both as new to Snakemake as the job."""
-    if splits.parent_id(shard_id) != shard_id:
+    run_dir = RunDir(config.output.dir)
+    if splits.parent_id(shard_id) != shard_id or Path(output).absolute() != run_dir.shard_file(shard_id).absolute():
         return None
     shard = manifest.shard(shard_id)
-    parquet, record = RunDir(config.output.dir).kept(shard_id, shard.start, shard_fingerprint(config, manifest, shard))
+    parquet, record = run_dir.kept(shard_id, shard.start, shard_fingerprint(config, manifest, shard))
     if not (parquet.exists() and record.exists()):
         return None
     for link, target in ((parquet, Path(output)), (record, Path(stats))):
