@@ -284,17 +284,18 @@ def run_shard(
             sleep = functools.partial(stop.sleep, shard_id=shard_id)  # a signal stops the wait for a claim
             run_dir, lease = RunDir(config.output.dir), config.shards.lease_seconds
             with contextlib.nullcontext() if context.guard else claims.own(run_dir, shard_id, lease, sleep) as claim:
-                if claim is not None and Path(output).exists():  # written since Snakemake started this job
+                if claim is not None:
                     manifest = Manifest.load(manifest_path)
-                    if committed(config, manifest, manifest.shard(shard_id), output, stats_path):
-                        # the job that held the shard (an orphan of a killed controller) committed it
+                    # written since Snakemake started this job: the job that held the shard (an orphan of a
+                    # killed controller) committed it
+                    if Path(output).exists() and committed(config, manifest, manifest.shard(shard_id), output,
+                                                           stats_path):  # fmt: skip
                         log.info("shard %s: committed meanwhile by the job that held it; kept", shard_id)
                         claim.release()
                         return json.loads(Path(stats_path).read_text())
-                if claim is not None and (kept := restore(config, Manifest.load(manifest_path), shard_id, output,
-                                                          stats_path)) is not None:  # fmt: skip
-                    claim.release()
-                    return kept
+                    if (kept := restore(config, manifest, shard_id, output, stats_path)) is not None:
+                        claim.release()
+                        return kept
                 guard = context.guard or claim.check
                 job = ShardJob.prepare(config, manifest_path, shard_id, context.model_record, guard)
                 counters = AttemptCounters()
@@ -447,7 +448,6 @@ def restore(config: RunConfig, manifest: Manifest, shard_id: str, output: str | 
     if not (parquet.exists() and record.exists()):
         return None
     for link, target in ((parquet, Path(output)), (record, Path(stats))):
-        target.unlink(missing_ok=True)
         _link(link, target)
         os.utime(target)
     if not committed(config, manifest, shard, output, stats):
