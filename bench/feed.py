@@ -121,6 +121,7 @@ def run_config(data: Path, out: Path, n: int, sampling: dict, output: dict, mode
             "prompt": {"system": "Label the note.", "template": "{{ text }}"},
             "model": model,
             "sampling": sampling,
+            "cache": {"enabled": False},  # the engine's speed: every row a request
             "output": {"dir": str(out), **output},
             # the default interval: a real job saves every 1000 rows
             "checkpoint": {"rows": 1000, "seconds": 300},

@@ -118,6 +118,7 @@ def workflow(d: Path, data: Path, sampling: dict) -> dict:
         "prompt": {"system": SYSTEM, "template": TEMPLATE.replace("{topic}", "{{ topic }}")},
         "model": ENGINE,
         "sampling": sampling,
+        "cache": {"enabled": False},  # the engine's speed: every row a request
         "resources": {"mem_mb": 8000, "cpus_per_task": 2, "runtime": 30},
     }
     (d / "config.yaml").write_text(yaml.safe_dump(config))

@@ -102,6 +102,7 @@ def rollout_config(work: Path, size: Size, model: dict, sleep: float) -> RunConf
         "prompt": {"template": "Use the tool: what is the capital of {{ country }}?"},
         "model": model,
         "sampling": {"temperature": 0.0, "max_tokens": 48},
+        "cache": {"enabled": False},  # the engine's speed: every row a request
         "rollout": {"max_turns": size.turns, "tools": [{"path": str(tool), "name": "capital", "schema": SCHEMA}],
                     "tool_choice": "required", "parallel_tool_calls": False, "tool_processes": size.processes},
         "output": {"dir": str(work / "out")},

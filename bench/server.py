@@ -60,6 +60,7 @@ def config(work: Path, rows: int, max_tokens: int, engine: dict) -> RunConfig:
         "prompt": {"system": "Answer in two sentences.", "template": "Tell me about {{ topic }} (note {{ n }})."},
         "model": MODEL,
         "sampling": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
+        "cache": {"enabled": False},  # the engine's speed: every row a request
         "output": {"dir": str(work)},
         "engine": engine,
     })  # fmt: skip

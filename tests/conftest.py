@@ -78,6 +78,9 @@ def base_config(inputs: dict[str, Any], **overrides: Any) -> cfg.RunConfig:
         "prompt": {"template": "Write one short sentence about {{ topic }}."},
         "model": copy.deepcopy(TEST_MODEL_CFG),
         "sampling": {"temperature": 0.0, "max_tokens": 12},
+        # the rows repeat 8 topics: what these tests count is the engine's work on every row (the
+        # request store has tests of its own: test_store.py, and the workflows that pass `cache`)
+        "cache": {"enabled": False},
     }
     for key, value in overrides.items():
         if key == "model":

@@ -82,6 +82,14 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--window", type=float, default=10.0, help="minutes over which the rate is measured")
     status.add_argument("--all", action="store_true", help="list every running shard, not only the slowest five")
 
+    cache = sub.add_parser("cache", help="the request store: its entries, size, models and hits; prune it")
+    where = cache.add_mutually_exclusive_group()
+    where.add_argument("--configfile", help="the run's config (its cache.dir); default config/config.yaml")
+    where.add_argument("--dir", help="the store's directory or s3:// prefix")
+    cache.add_argument("--older-than", type=float, metavar="DAYS", help="remove the entries older than this")
+    cache.add_argument("--model", help="remove the entries of this model (model.model as the config names it)")
+    cache.add_argument("--max-size", metavar="SIZE", help="remove the oldest entries until the store fits (500M, 2G)")
+
     fetch = sub.add_parser("fetch-model", help="find the model on disk, or download it once, before any job")
     fetch.add_argument("--config", required=True)
     fetch.add_argument("--output", required=True, help="where to write the model record (JSON)")
@@ -175,6 +183,15 @@ def main(argv: list[str] | None = None) -> int:
 
             out_dir = args.dir or cfg.load(args.configfile or "config/config.yaml")["output"]["dir"]
             return main_status(out_dir, args.window, args.all)
+        if args.command == "cache":
+            from shardgen.commands.cache import main_cache
+            from shardgen.engines.store import store_root
+
+            if args.dir is not None:
+                return main_cache(args.dir, {}, args.older_than, args.model, args.max_size)
+            config = cfg.RunConfig.load(args.configfile or "config/config.yaml")
+            return main_cache(store_root(config), config.input.storage_options, args.older_than, args.model,
+                              args.max_size)  # fmt: skip
         if args.command == "engine-worker":
             from shardgen.engines.multinode import main_worker
 

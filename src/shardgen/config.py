@@ -623,6 +623,12 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class CacheConfig:
+    enabled: bool = True
+    dir: str | None = None
+
+
+@dataclass(frozen=True)
 class ErrorsConfig:
     max_rate: float = 0.1
 
@@ -761,6 +767,7 @@ class RunConfig:
     software: SoftwareConfig
     cost: CostConfig
     checkpoint: CheckpointConfig
+    cache: CacheConfig
     errors: ErrorsConfig
     preflight: PreflightConfig
     pooling: PoolingConfig
@@ -786,6 +793,7 @@ class RunConfig:
             software=_section(SoftwareConfig, raw["software"]),
             cost=_section(CostConfig, raw["cost"]),
             checkpoint=_section(CheckpointConfig, raw["checkpoint"]),
+            cache=_section(CacheConfig, raw["cache"]),
             errors=_section(ErrorsConfig, raw["errors"]),
             preflight=_section(PreflightConfig, raw["preflight"]),
             pooling=_section(PoolingConfig, raw["pooling"]),
@@ -854,6 +862,7 @@ SECTIONS = {
     "software": SoftwareConfig,
     "cost": CostConfig,
     "checkpoint": CheckpointConfig,
+    "cache": CacheConfig,
     "errors": ErrorsConfig,
     "preflight": PreflightConfig,
     "pooling": PoolingConfig,

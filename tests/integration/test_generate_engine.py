@@ -73,6 +73,34 @@ def test_every_row_of_a_shard_gets_a_generation_and_the_stats_match_the_rows(tmp
 
 
 @pytest.mark.engine
+def test_the_request_store_keeps_vllms_answers_as_they_were_and_an_edited_branch_reruns_only_its_rows(tmp_path, engine):
+    """On vLLM: duplicates in a shard get the answer of the request sent, a rerun after an edit to one
+    branch of the template takes every other row from the store, each equal to the answer stored
+    (text, tokens, log-probabilities), and generates the rows whose prompt changed."""
+    before = "{% if topic == 'owls' %}Name an owl.{% else %}Write one short sentence about {{ topic }}.{% endif %}"
+    greedy = {"temperature": 0.0, "max_tokens": 6, "logprobs": 2}
+    config, manifest = plan(tmp_path, make_rows(16), shards={"rows_per_shard": 16}, cache={},
+                            prompt={"template": before}, sampling=greedy)  # fmt: skip
+    first, stats = run(tmp_path, config, manifest, "00000", engine)
+    assert stats["attempt_requests"] == 8 and stats["requests_deduplicated"] == 8
+    entries = pq.read_table(tmp_path / "out" / "cache" / "entries")
+    stored = {json.loads(a)["samples"][0]["text"] for a in entries.column("answer").to_pylist()}
+    assert entries.num_rows == 8 and set(first.column("generation").to_pylist()) == stored
+    edited = before.replace("Name an owl.", "Name a small owl.")
+    config, manifest = plan(tmp_path, make_rows(16), shards={"rows_per_shard": 16}, cache={},
+                            prompt={"template": edited}, sampling=greedy)  # fmt: skip
+    again, stats = run(tmp_path, config, manifest, "00000", engine)
+    owls = [r["row_index"] for r in first.to_pylist() if r["topic"] == "owls"]
+    assert stats["attempt_requests"] == 1 and stats["requests_reused"] == 14 and stats["requests_deduplicated"] == 1
+    assert [r["row_index"] for r in again.to_pylist() if r["result_source"] != "store"] == owls
+    kept = ("generation", "finish_reason", "prompt_tokens", "generated_tokens", "logprobs")
+    for a, b in zip(first.to_pylist(), again.to_pylist(), strict=True):
+        if a["topic"] != "owls":
+            assert {k: a[k] for k in kept} == {k: b[k] for k in kept}, a["row_index"]
+    assert pq.read_table(tmp_path / "out" / "cache" / "entries").num_rows == 9, "the new answer kept too"
+
+
+@pytest.mark.engine
 def test_bad_rows_of_every_kind_are_row_errors_and_the_shard_goes_on(tmp_path, engine):
     rows = [{"text": f"Say hello to {i}.", "raw": b"", "n": 1} for i in range(9)]
     rows[1]["text"] = "very long " * 2000  # far beyond max_model_len (1024)

@@ -74,7 +74,9 @@ def test_slurm_profile_submits_a_job_per_shard_without_pausing_retries_a_killed_
 ):
     """The input is two objects in S3-compatible storage (the test server), read in place by the jobs,
     and the output is uploaded there (output.upload), byte for byte. The first shard's job is killed
-    (kill -9) once it saved rows: its retry resumes them, reading the rest from the objects again."""
+    (kill -9) once it saved rows: its retry resumes them, reading the rest from the objects again. The
+    request store is there too (cache.dir), written as the rows are saved: the rows repeat 8 topics, so
+    the killed job and the others answer some rows from it or from a request in flight."""
     sizes, files, start = [12, 8], [], 0
     store = s3_bucket(s3_server, "slurm-in")
     s3_bucket(s3_server, "slurm-out")
@@ -95,6 +97,7 @@ def test_slurm_profile_submits_a_job_per_shard_without_pausing_retries_a_killed_
         checkpoint={"rows": 2, "seconds": 300},
         sampling={"temperature": 0.0, "max_tokens": 48, "structured_outputs": {"json": schema}},
         output={"upload": "s3://slurm-out/run/"},
+        cache={"dir": "s3://slurm-out/cache"},
     )  # fmt: skip
     # the two jobs go out in one round: no pause between submissions (plugin >= 2.7.1; 2.6.1 pauses
     # 5 s per pair); the node's 2 CPUs run one job at a time, and the first shard's job, killed
@@ -125,7 +128,14 @@ def test_slurm_profile_submits_a_job_per_shard_without_pausing_retries_a_killed_
     assert [len(a) for a in attempts] == [2, 1], "only the killed shard ran again"
     assert attempts[0][0]["outcome"] is None and attempts[0][0]["slurm"]["job_id"] == killed
     first = json.loads((shard_dir / "00000.stats.json").read_text())
-    assert first["rows_resumed"] == saved and first["attempt_requests"] == 10 - saved, "its saved rows resumed"
+    answered = first["attempt_requests"] + first["requests_reused"] + first["requests_deduplicated"]
+    assert first["rows_resumed"] == saved and answered == 10 - saved, "its saved rows resumed, the others answered"
+    sources = table.column("result_source").to_pylist()
+    assert set(sources) <= {"engine", "store", "duplicate"} and sources.count("engine") <= 8 + saved, sources
+    by_topic = {}
+    for topic, generation in zip(*table.select(["topic", "generation"]).to_pydict().values(), strict=True):
+        assert by_topic.setdefault(topic, generation) == generation, "one request, one result, wherever it came from"
+    assert store.list_objects_v2(Bucket="slurm-out", Prefix="cache/entries/")["KeyCount"] > 0
     first_round = sorted(datetime.datetime.fromisoformat(a[0]["slurm"]["submit_time"]) for a in attempts)
     assert (first_round[-1] - first_round[0]).total_seconds() < 4, first_round
     assert "output: results/output.parquet" in text
@@ -291,8 +301,9 @@ def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoe
     ``select.best_of``. The run is stopped (Ctrl-C) once the judge committed a shard; the rerun redoes
     no shard of the draft or the check and not that one. The function ran once per sample; the output
     has every input row once, with the kept sample the judge scored highest; each step's own output
-    every row it made. A change of the judge's prompt reruns the judge's jobs alone; a change of the
-    last select, the selection alone (pairs: the best and worst sample of each row)."""
+    every row it made. A change of the judge's prompt reruns the judge's jobs alone, which generate every
+    judgement anew; a change of the last select, the selection alone (pairs: the best and worst sample of
+    each row); back at the first prompt, the judge's jobs take every judgement from the request store."""
     rows = 6
     write_parquet(tmp_path / "data" / "in.parquet", make_rows(rows))
     config = workflow_config({"parquet": [str(tmp_path / "data" / "in.parquet")], "id_column": "id"},
@@ -300,6 +311,7 @@ def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoe
     config.pop("sampling")
     # slow enough that the run is stopped before the judge's second shard is done (a shard 5-10 s)
     config["engine"] = {"kind": "fake", "fake": {"tokens_per_second": 20}}
+    config["cache"] = {}  # the request store, each step's own
     reward = {**TEST_MODEL_CFG, "model": str(ROOT / "models" / "reward")}
     judge_prompt = {"template": "Question: What is {{ topic }}?\nAnswer: {{ generation }}", "chat": False}
     calls = tmp_path / "check-calls"
@@ -379,7 +391,19 @@ def test_steps_keep_the_best_of_four_samples_by_a_reward_model_and_a_rerun_redoe
     assert jobs.get("judge_generate_shard") == 2 and not any(j.startswith(("draft_", "check_")) for j in jobs), jobs
     pairs = {**config, "steps": [*config["steps"][:2], {**config["steps"][2], "select": {"pairs": {"by": "reward"}}}]}
     assert dry_run_jobs(tmp_path, pairs) == {"select_output": 1, "all": 1}
-    run_workflow(tmp_path, pairs, "local")
+    fast = {"kind": "fake", "fake": {"tokens_per_second": 5000}}  # the engine's speed is not in the fingerprint
+
+    def judge_figures() -> list[int]:
+        shards = [json.loads(judge.shard_stats(s).read_text()) for s in ("00000", "00001")]
+        return [sum(s[k] for s in shards) for k in ("rows_generated", "requests_reused", "requests_deduplicated")]
+
+    text = run_workflow(tmp_path, {**changed, "engine": fast}, "local").stdout
+    assert not any("draft_generate_shard" in line for line in text.splitlines() if "rule " in line)
+    # the judge's rows: the three samples of each row the check kept, and the one it dropped (no request)
+    assert judge_figures() == [rows * 4, 0, 0], "every judgement anew"
+    run_workflow(tmp_path, {**pairs, "engine": fast}, "local")  # the first judge prompt again
+    assert judge_figures() == [rows, rows * 3, 0], "every judgement from the store"
+    assert {r["result_source"] for r in pq.read_table(judge.merged("parquet")).to_pylist()} == {"store"}
     chosen = pq.read_table(out / "output.parquet").to_pylist()
     assert [p["chosen"]["id"] for p in chosen] == [f"r{i:05d}" for i in range(rows)]
     assert all(p["chosen"]["id"] == p["rejected"]["id"] and p["chosen"]["reward"] > p["rejected"]["reward"]

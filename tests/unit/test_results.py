@@ -36,6 +36,7 @@ def test_the_plain_result_columns_are_the_documented_ones():
         "prompt_tokens",
         "generated_tokens",
         "error",
+        "result_source",
     ]
 
 

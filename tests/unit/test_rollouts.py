@@ -64,7 +64,8 @@ def test_a_rollout_section_makes_a_generate_task_a_rollout_and_refuses_other_tas
     assert config.kind is rollouts.task.RolloutTask
     assert config.raw["rollout"]["max_turns"] == 4 and config.raw["rollout"]["tool_timeout_seconds"] == 10
     assert config.raw["rollout"]["tools"][0]["path"] == str(tmp_path / "tools.py"), "relative to the config file"
-    assert [f.name for f in config.kind.columns(config).fields()][-4:] == ["messages", "turns", "tool_calls", "error"]
+    names = [f.name for f in config.kind.columns(config).fields()]
+    assert names[-5:] == ["messages", "turns", "tool_calls", "error", "result_source"]
     with pytest.raises(ConfigError, match="rollout is set, but task is classify: rollout is for task: generate"):
         validate({**rollout_config(tmp_path), "task": "classify"})
 

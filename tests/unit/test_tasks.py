@@ -95,7 +95,7 @@ HEAD = heads.Head(("LlamaForSequenceClassification",), ("neg", "neu", "pos"), Tr
 
 def test_classify_gives_the_top_label_and_a_float32_probability_per_label():
     spec = PoolingSpec(KINDS["classify"], HEAD)
-    assert spec.names == ["row_index", "prompt_tokens", "label", "probs", "error"]
+    assert spec.names == ["row_index", "prompt_tokens", "label", "probs", "error", "result_source"]
     (row,) = spec.rows({"text": "x"}, 7, 3, [0.2, 0.1, 0.7])
     assert row["label"] == "pos" and row["row_index"] == 7
     table = pa.Table.from_pylist([row], schema=pa.schema([pa.field("text", pa.string()), *spec.fields()]))
@@ -149,7 +149,7 @@ def pooling_config(**over) -> dict:
 def test_a_pooling_task_runs_the_pooling_runner_and_its_columns_are_reserved():
     config = cfg.RunConfig.from_dict(pooling_config())
     assert config.model["runner"] == "pooling" and config.kind is KINDS["classify"]
-    assert result_spec(config).names == ["row_index", "prompt_tokens", "label", "probs", "error"]
+    assert result_spec(config).names == ["row_index", "prompt_tokens", "label", "probs", "error", "result_source"]
 
 
 @pytest.mark.parametrize(

@@ -382,8 +382,9 @@ def require_writable(prefix: str | None, options: Mapping[str, Any] | None) -> N
         raise StorageError(f"{why}; no job was started")
 
 
-def check_writable(prefix: str, options: Mapping[str, Any] | None) -> str | None:
-    """Why ``prefix`` cannot take the upload (None: it can): a test object written there and removed."""
+def check_writable(prefix: str, options: Mapping[str, Any] | None, key: str = "output.upload") -> str | None:
+    """Why ``prefix`` cannot take the upload (or what config ``key`` writes there; None: it can): a test
+    object written there and removed."""
     fs = filesystem(options)
     probe = path_of(prefix.rstrip("/") + "/.shardgen-preflight-probe")
     try:
@@ -391,5 +392,5 @@ def check_writable(prefix: str, options: Mapping[str, Any] | None) -> str | None
             f.write(b"shardgen preflight: may this run upload here?\n")
         fs.delete_file(probe)
     except OSError as e:
-        return f"output.upload: cannot write under '{redact(prefix)}': {_first_line(e)}; {_hint(options)}"
+        return f"{key}: cannot write under '{redact(prefix)}': {_first_line(e)}; {_hint(options)}"
     return None

@@ -242,6 +242,11 @@ def totals(stats: dict[str, Any], shards: list[ShardFigures]) -> list[tuple[str,
     rows = [
         ("rows", f"{n('rows')} ({n('errors')} errors)"),
         ("shards", f"{len(shards):,} (rows resumed from checkpoints: {n('rows_resumed')})"),
+        (
+            "rows generated",
+            f"{n('rows_generated')} ({n('requests_reused')} more reused from the request store, "
+            f"{n('requests_deduplicated')} answered by a duplicate in their job)",
+        ),
         ("prompt tokens", n("prompt_tokens")),
         ("generated tokens", n("generated_tokens")),
         ("output tokens/s", _fmt(_num(stats.get("output_tokens_per_s")))),

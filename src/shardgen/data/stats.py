@@ -80,6 +80,8 @@ SUMMED = (
     "errors",
     "rows_resumed",
     "rows_generated",
+    "requests_reused",
+    "requests_deduplicated",
     "prompt_tokens",
     "cached_prompt_tokens",
     "generated_tokens",
@@ -130,8 +132,11 @@ def summarize(counters: dict[str, Any], hists: dict[str, LogHistogram], generate
 class AttemptCounters:
     """What one attempt of a shard did, counted as it happened (never derived from other counts)."""
 
-    rows: int = 0  # input rows this attempt finished: generated, or row errors
+    rows: int = 0  # input rows this attempt finished: generated, answered without the engine, or row errors
     requests: int = 0  # engine requests that completed
+    # rows answered from the request store, and by a request with the same key in the job (engines.store)
+    reused: int = 0
+    deduplicated: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
@@ -193,7 +198,10 @@ def shard_stats(
         "output_rows": table.num_rows,
         "errors": sum(reasons.values()),
         "rows_resumed": resumed,
-        "rows_generated": counters.rows,
+        # the rows the engine generated (or that failed): not those answered without it
+        "rows_generated": counters.rows - counters.reused - counters.deduplicated,
+        "requests_reused": counters.reused,
+        "requests_deduplicated": counters.deduplicated,
         "prompt_tokens": _column_sum(table, "prompt_tokens"),
         "generated_tokens": _column_sum(table, "generated_tokens"),
         # of which a reasoning model's traces (sampling.reasoning_parser; 0 without one)
@@ -333,6 +341,8 @@ SHARD_SUMMARY_KEYS = (
     "error_reasons",
     "rows_resumed",
     "rows_generated",
+    "requests_reused",
+    "requests_deduplicated",
     "prompt_tokens",
     "generated_tokens",
     "reasoning_tokens",
@@ -480,6 +490,7 @@ def summary_text(stats: dict[str, Any]) -> str:
         f"{_fmt(stats.get('ttft_scheduled_p50_s'), '.3f')} s); end-to-end p50 {_fmt(stats['latency_p50_s'], '.3f')} s",
         f"prefix cache    {_fmt(hit if hit is None else 100 * hit)}% of prompt tokens; "
         f"{stats.get('preemptions', 0)} preemptions",
+        _reuse_line(stats),
         f"GPU-hours       {stats['gpu_hours']:.4f}  ({_fmt(stats.get('output_tokens_per_gpu_hour'), '.0f')} output "
         "tokens per GPU-hour)",
         f"shards' time    slowest {stats.get('slowest_shard')} {_fmt(stats.get('makespan_seconds'))} s, "
@@ -489,6 +500,12 @@ def summary_text(stats: dict[str, Any]) -> str:
     if spec:
         lines.append(f"speculation     {_fmt(100 * (spec['acceptance_rate'] or 0))}% of draft tokens accepted")
     return "\n".join(lines + _cost_lines(stats))
+
+
+def _reuse_line(stats: dict[str, Any]) -> str:
+    """Where the rows' results came from this run (engines.store): the engine, the request store, a duplicate."""
+    return (f"requests        {stats.get('rows_generated', 0)} rows generated, {stats.get('requests_reused', 0)} "
+            f"answered from the request store, {stats.get('requests_deduplicated', 0)} by a duplicate")  # fmt: skip
 
 
 def _reasoning_part(stats: dict[str, Any]) -> str:
@@ -516,6 +533,7 @@ def _pooling_summary_text(stats: dict[str, Any], hit: float | None) -> str:
         f"latency         end-to-end p50 {_fmt(stats['latency_p50_s'], '.3f')} s, p90 "
         f"{_fmt(stats['latency_p90_s'], '.3f')} s",
         f"prefix cache    {_fmt(hit if hit is None else 100 * hit)}% of prompt tokens",
+        _reuse_line(stats),
         f"GPU-hours       {stats['gpu_hours']:.4f}  ({_fmt(stats.get('rows_per_gpu_hour'), '.0f')} rows per GPU-hour)",
         *_cost_lines(stats),
     ])  # fmt: skip

@@ -37,7 +37,7 @@ from typing import Any
 from shardgen import config as cfg
 from shardgen.engines import kinds as eng
 from shardgen.errors import ConfigError, ShardgenError
-from shardgen.requests.results import EngineRequest
+from shardgen.requests.results import EngineRequest, Pooled
 
 KIND = "fake"
 # With engine.fake.tokens_per_second, a step answers no more requests than take this long (at least one).
@@ -81,26 +81,12 @@ class FakeOutput:
 
 
 @dataclass
-class FakePooled:
-    """vLLM's ``PoolingOutput``: the pooled values, with ``data.tolist()`` as a tensor has it."""
-
-    values: list[Any]
-
-    @property
-    def data(self) -> FakePooled:
-        return self
-
-    def tolist(self) -> list[Any]:
-        return self.values
-
-
-@dataclass
 class FakePoolingOutput:
     """A finished pooling request, with the fields of vLLM's ``PoolingRequestOutput`` the feed reads."""
 
     request_id: str
     prompt_token_ids: list[int]
-    outputs: FakePooled
+    outputs: Pooled
     finished: bool = True
     num_cached_tokens: int = 0
 
@@ -231,7 +217,7 @@ class FakeEngine(eng.OutsideEngine):
     def _answer(self, request: EngineRequest) -> FakeOutput | FakePoolingOutput:
         params, ids = request.params, list(request.prompt["prompt_token_ids"])
         if getattr(params, "task", None) is not None:  # vLLM's PoolingParams
-            return FakePoolingOutput(request.request_id, ids, FakePooled(self._pooled(ids, params)))
+            return FakePoolingOutput(request.request_id, ids, Pooled(self._pooled(ids, params)))
         samples = [self._sample(ids, params, i) for i in range(getattr(params, "n", 1) or 1)]
         return FakeOutput(request.request_id, ids, samples)
 

@@ -56,7 +56,8 @@ from shardgen.requests.results import DROPPED, result_spec
 # What a step may set; each replaces the top-level section of its name.
 STEP_SECTIONS = ("task", "model", "function", "rollout", "prompt", "sampling", "pooling", "lora", "resources")
 # An earlier step's columns that are its own bookkeeping, not passed on (its own output keeps them).
-BOOKKEEPING = ("row_index", "finish_reason", "prompt_tokens", "generated_tokens", "reasoning_tokens", "error", DROPPED)
+BOOKKEEPING = ("row_index", "finish_reason", "prompt_tokens", "generated_tokens", "reasoning_tokens", "error",
+               "result_source", DROPPED)  # fmt: skip
 OUTPUT_KEY = "output.dir"
 
 

@@ -48,6 +48,7 @@ from shardgen.engines import multinode
 from shardgen.engines.kinds import EngineSettings
 from shardgen.engines.kinds import for_config as engine_for
 from shardgen.engines.multinode import WorkersLost
+from shardgen.engines.store import RequestStore, StoreEngine, job_context
 from shardgen.features import splits
 from shardgen.jobs import claims
 from shardgen.jobs.claims import ClaimLost
@@ -389,7 +390,14 @@ def _feed(job: ShardJob, context: JobContext, run: AttemptRun, log_start: int, l
     loras = job.model_record.get("adapters") or {}
     adapters = Adapters(config.lora, loras, run.settings.build) if config.lora.adapters else None
     inputs = RowInputs.for_run(config, job.source, adapters)
-    feed = ShardFeed(job.work(), task, tokenizer, engine, stop, run.counters, context.window, inputs)
+    work = job.work()
+    if config.cache.enabled:  # the request store in front of the engine
+        store = RequestStore.for_config(config)
+        store.refresh()
+        about = {"model": config.model.get("model"), "task": config.task}
+        engine = StoreEngine(engine, store, job_context(config, job.model_record), about)
+        work.on_save = engine.save
+    feed = ShardFeed(work, task, tokenizer, engine, stop, run.counters, context.window, inputs)
     before = engine.counters()
     t1 = time.time()
     try:

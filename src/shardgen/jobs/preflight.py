@@ -34,7 +34,7 @@ from shardgen.base.kernels import kernel_problem
 from shardgen.config import RunConfig, engine_version, warnings
 from shardgen.data.manifest import Manifest
 from shardgen.data.plan import check_columns
-from shardgen.engines import kinds
+from shardgen.engines import kinds, store
 from shardgen.engines import vllm as eng
 from shardgen.errors import InputError, RowError, ShardgenError
 from shardgen.jobs.feed.requests import Request, RowInputs, prepared_requests
@@ -306,6 +306,10 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
         source.check_unchanged()
     if config.output.upload and (why := storage.check_writable(config.output.upload, config.input.storage_options)):
         problems.append(why)
+    shared = config.cache.dir if config.cache.enabled and config.kind.uses_engine else None
+    if shared and storage.is_url(shared) and (why := storage.check_writable(shared, config.input.storage_options,
+                                                                            "cache.dir")):  # fmt: skip
+        problems.append(why)
     if config.input.id_column and kind.read_at_preflight and not kind.ids_planned:
         problems += check_ids(source, manifest, config.input.id_column)
 
@@ -377,6 +381,7 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
 
     lengths: list[int] = []
     outputs: list[int] = []  # the output tokens each sampled row that runs may generate
+    undetermined = 0  # sampled rows whose answers the request store can neither keep nor reuse
     if sample:
         try:
             task = make_task(config, tokenizer, head)
@@ -390,6 +395,7 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
             inputs = RowInputs.for_run(config, source, adapters)
             for req in sample_requests(sample, renderer, tokenizer, task, inputs, row_error):
                 lengths.append(len(req.prompt_token_ids))
+                undetermined += not store.determined(req.params)
                 if config.kind.generates:  # the row's own max_tokens and n (input.sampling_column), as vLLM has them
                     outputs.append(req.params.max_tokens * req.params.n)
     errors = sum(reasons.values())
@@ -405,6 +411,12 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
         notes.append(
             f"{errors} of {len(sample)} sampled rows will be per-row errors (about "
             f"{round(errors / len(sample) * manifest.total_rows)} of all rows): {detail}"
+        )
+    if undetermined and config.cache.enabled:
+        notes.append(
+            f"{undetermined} of {len(lengths)} sampled rows sample at a temperature above 0 without a seed (about "
+            f"{round(undetermined / len(lengths) * manifest.total_rows)} of all rows): their answers are neither "
+            "reused nor kept by the request store (cache); set sampling.seed or temperature: 0 to reuse them"
         )
     if max_len is not None and config.kind.generates:
         short = sum(1 for n in lengths if n + sampling.max_tokens > max_len)

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 LOGPROB_TYPE = pa.list_(
     pa.list_(pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())]))
 )
+# Where a row's result came from (``Completion.source``): the engine, the request store, or a request
+# with the same key in the job (engines.store); null for a row that got no result.
+SOURCE_FIELD = pa.field("result_source", pa.string())
+ENGINE, STORE, DUPLICATE = "engine", "store", "duplicate"
 # The column of a step's row that the step before did not pass on: why (null for every row it passed
 # on; shardgen.features.steps). A bookkeeping column: feed, merge and the steps read it.
 DROPPED = "dropped"
@@ -49,6 +53,7 @@ RESERVED_COLUMNS = (
     "choice_probs",
     "logprobs",
     "error",
+    "result_source",
     # pooling tasks (PoolingSpec)
     "probs",
     "reward",
@@ -73,6 +78,22 @@ class Completion:
     # for the scheduler, and time to first token once scheduled (vLLM's own "prefill time").
     queue_s: float | None = None
     ttft_scheduled_s: float | None = None
+    source: str = ENGINE  # where the answer came from (``SOURCE_FIELD``: ENGINE, STORE or DUPLICATE)
+
+
+@dataclass
+class Pooled:
+    """A pooled output's values, with ``data.tolist()`` as vLLM's ``PoolingOutput`` tensor has them (the
+    fake engine's, and a stored answer's)."""
+
+    values: list[Any]
+
+    @property
+    def data(self) -> Pooled:
+        return self
+
+    def tolist(self) -> list[Any]:
+        return self.values
 
 
 @dataclass
@@ -298,7 +319,7 @@ class ResultSpec(Columns):
         if self.as_rows:
             out.append(pa.field("sample_index", pa.int32()))
         out += [*sample[:2], pa.field("prompt_tokens", pa.int32()), *sample[2:]]
-        out.append(pa.field("error", pa.string()))
+        out += [pa.field("error", pa.string()), SOURCE_FIELD]
         return out
 
     def error_rows(self, row: dict[str, Any], index: int, error: str, prompt_tokens: int | None = None) -> list[dict]:
@@ -413,7 +434,7 @@ class PoolingSpec(Columns):
 
     def fields(self) -> list[pa.Field]:
         return [pa.field("row_index", pa.int64(), nullable=False), pa.field("prompt_tokens", pa.int32()),
-                *self.kind.pooled_fields(self), pa.field("error", pa.string())]  # fmt: skip
+                *self.kind.pooled_fields(self), pa.field("error", pa.string()), SOURCE_FIELD]  # fmt: skip
 
     def rows(self, row: dict[str, Any], index: int, prompt_tokens: int, data: list[Any]) -> list[dict]:
         """The output row of an input row whose pooled output is ``data`` (the engine's tensor as a list).

@@ -40,7 +40,7 @@ class RolloutSpec(ResultSpec):
     def fields(self) -> list[pa.Field]:
         out = super().fields()
         extra = [pa.field("messages", pa.string()), pa.field("turns", pa.int32()), pa.field("tool_calls", pa.int32())]
-        return [*out[:-1], *extra, out[-1]]
+        return [*out[:-2], *extra, *out[-2:]]  # before error and result_source
 
 
 class RolloutTask(tasks.GenerateTask):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from shardgen.errors import RowError
 from shardgen.jobs.feed.requests import PREPARE_BATCH, Request
-from shardgen.requests.results import Completion, EngineRequest
+from shardgen.requests.results import ENGINE, Completion, EngineRequest
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,9 @@ def _completion(req: Request, out: Any, now: float) -> Completion:
 
     A pooling output (``PoolingRequestOutput``) carries no metrics and has no first token: its
     latency is from its submission to the step that returned it (vllm/outputs.py)."""
+    source = getattr(out, "source", ENGINE)
+    if source != ENGINE:  # answered without the engine (engines.store): it took no engine time
+        return Completion(req.key, req.row, out, len(out.prompt_token_ids or ()), 0, None, None, source=source)
     metrics = getattr(out, "metrics", None)
     ttft = queue = ttft_scheduled = None
     latency = now - req.submitted if req.submitted else None

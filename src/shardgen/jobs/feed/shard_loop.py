@@ -14,7 +14,7 @@ from shardgen.data.stats import AttemptCounters
 from shardgen.errors import RowError, ShardgenError, error_reason
 from shardgen.jobs.feed.engine_loop import Feeder, Turns
 from shardgen.jobs.feed.requests import PREPARE_BATCH, RowInputs, order_window, prepared_requests
-from shardgen.requests.results import DROPPED, Completion
+from shardgen.requests.results import DROPPED, DUPLICATE, ENGINE, STORE, Completion
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,7 @@ class ShardWork:
     split: Split | None = None
     narrow: Callable[[int], None] = lambda stop: None  # the shard now ends at ``stop`` (a split's cut)
     schema: Any = None  # the rows' (a pyarrow.Schema)
+    on_save: Callable[[], None] = lambda: None  # before rows are saved: the request store's new answers
 
 
 class ShardLoop:
@@ -166,6 +167,7 @@ class ShardLoop:
         self._bar.close()
 
     def _flush(self, now: float) -> None:
+        self.work.on_save()  # the answers first: a saved row's answer is in the store
         self.work.ckpt.flush(self._finished)
         self._finished.clear()
         self._last_flush = now
@@ -279,16 +281,22 @@ class ShardFeed(ShardLoop):
 
     def _completed(self, c: Completion) -> None:
         finished = self.task.finish(c.row, c)
+        for row in finished.rows:
+            row["result_source"] = c.source
         self._finished.extend(finished.rows)
         n = self.counters
-        n.requests += 1
-        n.prompt_tokens += c.prompt_tokens
-        n.cached_tokens += c.cached_tokens
-        n.generated_tokens += finished.generated_tokens
-        for hist, value in ((n.ttft, c.ttft_s), (n.latency, c.latency_s), (n.queue, c.queue_s),
-                            (n.ttft_scheduled, c.ttft_scheduled_s)):  # fmt: skip
-            if value is not None:
-                hist.add(value)
+        if c.source == ENGINE:
+            n.requests += 1
+            n.prompt_tokens += c.prompt_tokens
+            n.cached_tokens += c.cached_tokens
+            n.generated_tokens += finished.generated_tokens
+            for hist, value in ((n.ttft, c.ttft_s), (n.latency, c.latency_s), (n.queue, c.queue_s),
+                                (n.ttft_scheduled, c.ttft_scheduled_s)):  # fmt: skip
+                if value is not None:
+                    hist.add(value)
+        else:  # answered without the engine (engines.store): no engine work to count
+            n.reused += c.source == STORE
+            n.deduplicated += c.source == DUPLICATE
         self._count_row(finished.generated_tokens)
         if finished.error is not None:
             self.work.budget.add(c.key, finished.error)
