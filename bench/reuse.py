@@ -7,8 +7,8 @@ the shards' stats each run wrote (``rows_generated``: the rows the engine genera
   every shard's boundaries, and the store answers the rows it has (sampled with ``sampling.seed``: the
   defaults sample without one, which is never reused); planned anew without the store
   (``cache.enabled: false``) is how every rerun was before: every row again.
-- edit: a run with ``sampling.seed``, then one branch of the template's ``if`` edited (the rows of one
-  topic): the rows whose rendered prompt changed are generated, the store answers the others.
+- edit: then (planned anew, with ``sampling.seed``) one branch of the template's ``if`` edited (the rows
+  of one topic): the rows whose rendered prompt changed are generated, the store answers the others.
 - duplicates: a file where every prompt appears three times, greedy: each distinct request is generated
   once, and every row has the result of its request.
 
@@ -39,7 +39,6 @@ from common import write_results  # noqa: E402
 TOPICS = ["the sea", "owls", "tea", "clocks", "maps", "bread", "kites", "rivers"]
 FIRST, ADDED = (20, 18), 52  # the issue's run: two files of 38 rows, then a file of 52
 DISTINCT = 40  # duplicates: each of these prompts three times
-EDIT_ROWS = 80
 SEEDED = {"seed": 1}  # each row's own seed: its result is its request's, and the store may keep it
 BRANCH = "{% if topic == 'owls' %}Describe {{ topic }} briefly{% else %}What is {{ topic }}?{% endif %}"
 TEMPLATE = BRANCH + " (note {{ id }})"  # a prompt of its own for each row
@@ -102,9 +101,7 @@ def growth(work: Path, anew: bool, **sections: dict) -> dict:
 
 
 def edit(work: Path) -> dict:
-    """A run sampled with a seed, then one branch of the template edited, the rerun."""
-    write_file(work / "data" / "part-0.parquet", list(range(EDIT_ROWS)))
-    snakemake(work, sampling=SEEDED)
+    """After ``growth`` sampled with a seed: one branch of the template edited, the rerun."""
     before = output(work)
     changed = sum(r["topic"] == "owls" for r in before)
     again = snakemake(work, template=EDITED, sampling=SEEDED)
@@ -166,7 +163,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        for name in ("defaults", "anew", "nostore", "edit", "dups"):
+        for name in ("defaults", "anew", "nostore", "dups"):
             (root / name).mkdir()
         result = {
             "date": datetime.now(UTC).strftime("%Y-%m-%d"),
@@ -177,7 +174,7 @@ def main() -> None:
                 "planned_anew": growth(root / "anew", anew=True, sampling=SEEDED),
                 "planned_anew_no_store": growth(root / "nostore", anew=True, cache={"enabled": False}),
             },
-            "edit": edit(root / "edit"),
+            "edit": edit(root / "anew"),
             "duplicates": duplicates(root / "dups"),
         }
     write_results(args.out, "reuse", result, markdown(result))

@@ -76,7 +76,8 @@ def test_every_row_of_a_shard_gets_a_generation_and_the_stats_match_the_rows(tmp
 def test_the_request_store_keeps_vllms_answers_as_they_were_and_an_edited_branch_reruns_only_its_rows(tmp_path, engine):
     """On vLLM: duplicates in a shard get the answer of the request sent, a rerun after an edit to one
     branch of the template takes every other row from the store, each equal to the answer stored
-    (text, tokens, log-probabilities), and generates the rows whose prompt changed."""
+    (text, tokens, log-probabilities), and generates the rows whose prompt changed; run again, no engine
+    starts (the keys made with the tokenizer transformers loads are vLLM's)."""
     before = "{% if topic == 'owls' %}Name an owl.{% else %}Write one short sentence about {{ topic }}.{% endif %}"
     greedy = {"temperature": 0.0, "max_tokens": 6, "logprobs": 2}
     config, manifest = plan(tmp_path, make_rows(16), shards={"rows_per_shard": 16}, cache={},
@@ -98,6 +99,11 @@ def test_the_request_store_keeps_vllms_answers_as_they_were_and_an_edited_branch
         if a["topic"] != "owls":
             assert {k: a[k] for k in kept} == {k: b[k] for k in kept}, a["row_index"]
     assert pq.read_table(tmp_path / "out" / "cache" / "entries").num_rows == 9, "the new answer kept too"
+    handle = Engine()  # a job's own handle, not started: the store answers every row, looked up with the
+    (tmp_path / "third").mkdir()  # model's tokenizer loaded without vLLM
+    third, stats = run(tmp_path / "third", config, manifest, "00000", handle)
+    assert not handle.running and stats["requests_reused"] == 16 and stats["attempt_requests"] == 0
+    assert third.drop(["result_source"]).equals(again.drop(["result_source"]))
 
 
 @pytest.mark.engine

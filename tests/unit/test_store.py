@@ -68,7 +68,7 @@ def test_duplicates_go_to_the_engine_once_and_a_rerun_takes_every_answer_from_th
     assert all(r["prompt_tokens"] > 0 and r["generated_tokens"] > 0 for r in rows)
 
     again, stats, engine = run(tmp_path, config, manifest, "again")
-    assert engine.answered == 0 and figures(stats) == [0, 24, 0, 0], "nothing sent to the engine"
+    assert engine.starts == 0 and figures(stats) == [0, 24, 0, 0], "every request stored: no engine started"
     assert {r["result_source"] for r in again} == {"store"}
     keep = ("row_index", "generation", "finish_reason", "prompt_tokens", "generated_tokens")
     assert [{k: r[k] for k in keep} for r in again] == [{k: r[k] for k in keep} for r in rows]
@@ -83,7 +83,8 @@ def test_an_edited_branch_of_the_template_reruns_only_the_rows_whose_prompt_chan
     config, manifest = plan(tmp_path, template=after)
     again, stats, engine = run(tmp_path, config, manifest, "edited")
     owls = [r["row_index"] for r in rows if r["topic"] == "owls"]
-    assert engine.answered == 1 and figures(stats) == [1, 21, 2, 1], "one prompt changed: one request"
+    assert engine.starts == 1 and engine.answered == 1, "one prompt changed: the engine, for one request"
+    assert figures(stats) == [1, 21, 2, 1]
     assert [r["row_index"] for r in again if r["result_source"] != "store"] == owls
     unchanged = [(r["row_index"], r["generation"]) for r in rows if r["topic"] != "owls"]
     assert [(r["row_index"], r["generation"]) for r in again if r["topic"] != "owls"] == unchanged
@@ -202,3 +203,24 @@ def test_shardgen_cache_says_what_the_store_holds_and_prunes_it_by_model_age_and
     assert "removed 0 file(s)" in capsys.readouterr().out
     assert main(["cache", "--dir", root, "--model", model]) == 0
     assert "removed 1 file(s), 8 entries" in capsys.readouterr().out
+
+
+def test_two_runs_that_share_a_cache_dir_answer_each_others_requests(tmp_path):
+    shared = {"dir": str(tmp_path / "shared")}
+    first, manifest = plan(tmp_path / "a", cache=shared)
+    rows, _, _ = run(tmp_path / "a", first, manifest, "first")
+    second, manifest = plan(tmp_path / "b", cache=shared)
+    again, stats, engine = run(tmp_path / "b", second, manifest, "second")
+    assert engine.starts == 0 and stats["requests_reused"] == 24 and not (tmp_path / "b" / "out" / "cache").exists()
+    assert [r["generation"] for r in again] == [r["generation"] for r in rows]
+
+
+def test_the_preflight_says_how_many_rows_sample_without_a_seed_and_so_are_never_reused(tmp_path):
+    from shardgen.jobs import preflight
+
+    config, manifest = plan(tmp_path, sampling={"temperature": 0.7, "max_tokens": 8})
+    notes = preflight.run(config, manifest)["warnings"]
+    assert any(n.startswith("24 of 24 sampled rows sample at a temperature above 0 without a seed (about 24 of all")
+               for n in notes), notes  # fmt: skip
+    seeded, manifest = plan(tmp_path / "s", sampling={"temperature": 0.7, "max_tokens": 8, "seed": 1})
+    assert not any("without a seed" in n for n in preflight.run(seeded, manifest)["warnings"])

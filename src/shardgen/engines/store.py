@@ -23,6 +23,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterable, Sized
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -41,11 +43,12 @@ import pyarrow.parquet as pq
 
 from shardgen.base import storage
 from shardgen.config import content_config
-from shardgen.requests.results import DUPLICATE, ENGINE, STORE, Pooled
+from shardgen.engines import kinds
+from shardgen.errors import ShardgenError
+from shardgen.requests.results import DUPLICATE, ENGINE, STORE, EngineRequest, Pooled
 
 if TYPE_CHECKING:
     from shardgen.config import RunConfig
-    from shardgen.requests.results import EngineRequest
 
 log = logging.getLogger(__name__)
 
@@ -287,9 +290,9 @@ class RequestStore:
             order = np.argsort(hi, kind="stable")
             self._hi, self._lo, self._at = hi[order], np.concatenate(los)[order], np.concatenate(ats)[order]
 
-    def __len__(self) -> int:
-        """Entries indexed (a key stored twice counts twice)."""
-        return len(self._hi)
+    def holds_any(self) -> bool:
+        """Whether any entry is indexed."""
+        return bool(len(self._hi))
 
     def _find(self, keys: list[bytes]) -> list[int | None]:
         """Where each key is (its position in the index), or None: one search for them all."""
@@ -389,6 +392,52 @@ def _store(root: str, options: str) -> RequestStore:
 # -- The layer in front of an engine --------------------------------------------------------------------
 
 
+class StoreChanged(ShardgenError):
+    """A job that found every request stored and started no engine (``NoEngine``) was asked for one it
+    could not answer: entries were removed meanwhile (``shardgen cache``). The retry starts the engine."""
+
+
+@dataclass
+class NoEngine(kinds.OutsideEngine):
+    """The engine of a job whose every remaining request the store answers: nothing starts, and the
+    tokenizer is the model's own, loaded without an engine (the one the requests were looked up with).
+
+    Args:
+        tok: the job's tokenizer (``kinds.Tokenizer``).
+    """
+
+    tok: kinds.Tokenizer
+    running: bool = False
+
+    def start(self, settings: kinds.EngineSettings) -> NoEngine:
+        return self
+
+    def tokenizer(self, generates: bool = True, chat_template_kwargs: Any = None) -> kinds.Tokenizer:
+        return self.tok
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.MAX_NUM_SEQS
+
+    def submit(self, requests: list[EngineRequest]) -> list[Exception | None]:
+        raise StoreChanged(
+            f"{len(requests)} request(s) found in the request store when the job began were not there when "
+            "they were sent (was it pruned?); the next attempt starts the engine"
+        )
+
+    def step(self) -> list[Any]:
+        return []
+
+    def abort(self, request_ids: list[str]) -> None:
+        pass
+
+    def close(self, wait: float | None = None) -> None:
+        pass
+
+
+# -- The layer in front of an engine --------------------------------------------------------------------
+
+
 @dataclass
 class StoreEngine:
     """An engine handle (``kinds.for_config``) behind the store, with the same methods: ``submit`` sends
@@ -415,10 +464,29 @@ class StoreEngine:
     _new: dict[bytes, str] = field(default_factory=dict)  # answers not saved yet
     _saved: set[int] = field(default_factory=set)  # the files of this job's saved answers
 
+    @classmethod
+    def for_job(cls, config: RunConfig, model_record: dict[str, Any]) -> StoreEngine:
+        """The run's store (indexed now) in front of the engine a job sets later (``engine``)."""
+        store = RequestStore.for_config(config)
+        store.refresh()
+        about = {"model": config.model.get("model"), "task": config.task}
+        return cls(None, store, job_context(config, model_record), about)
+
     def __getattr__(self, name: str) -> Any:  # start, close, tokenizer, counters, max_num_seqs...
         if name == "engine":
             raise AttributeError(name)
         return getattr(self.engine, name)
+
+    def answers_all(self, requests: Iterable[Any], errors: Sized) -> bool:
+        """Whether the store answers every one of ``requests`` (a job's, with their ``prompt_token_ids``,
+        ``params`` and ``lora``), and ``errors`` stays empty as they are made; stops at the first miss."""
+        it = iter(requests)
+        while batch := list(itertools.islice(it, 256)):
+            asked = [EngineRequest("", {"prompt_token_ids": r.prompt_token_ids}, r.params, r.lora) for r in batch]
+            keys = [request_key(self.context, r) for r in asked]
+            if errors or None in keys or None in self.store.get_many(keys):  # type: ignore[arg-type]
+                return False
+        return not errors
 
     def submit(self, requests: list[EngineRequest]) -> list[Exception | None]:
         errors: list[Exception | None] = [None] * len(requests)

@@ -45,20 +45,21 @@ from shardgen.data.plan import check_columns
 from shardgen.data.sources import Source
 from shardgen.data.stats import AttemptCounters, shard_record
 from shardgen.engines import multinode
-from shardgen.engines.kinds import EngineSettings
+from shardgen.engines.kinds import EngineSettings, Tokenizer
 from shardgen.engines.kinds import for_config as engine_for
 from shardgen.engines.multinode import WorkersLost
-from shardgen.engines.store import RequestStore, StoreEngine, job_context
+from shardgen.engines.store import NoEngine, StoreEngine
+from shardgen.errors import RowError, ShardgenError
 from shardgen.features import splits
 from shardgen.jobs import claims
 from shardgen.jobs.claims import ClaimLost
-from shardgen.jobs.feed.requests import RowInputs
+from shardgen.jobs.feed.requests import RowInputs, prepared_requests
 from shardgen.jobs.feed.shard_loop import ErrorBudget, RowStream, ShardFeed, ShardWork
 from shardgen.jobs.stopflag import Interrupted, StopFlag
 from shardgen.models import fetch, heads
 from shardgen.requests.lora import Adapters
 from shardgen.requests.prompts import PromptRenderer
-from shardgen.requests.results import result_spec
+from shardgen.requests.results import DROPPED, result_spec
 from shardgen.requests.tasks import make_task
 
 log = logging.getLogger(__name__)
@@ -352,9 +353,49 @@ def _run(job: ShardJob, context: JobContext, counters: AttemptCounters) -> Attem
         raise OutOfMemory(f"shard {job.shard.id}: the model's weights did not fit in the last attempt, on the same "
                           f"GPUs with the same model and parallelism ({layout}); not loaded again. "
                           f"{memory.advice('weights_too_large')}", failed)  # fmt: skip
-    _start_engine(job, context, run, log_start, layout)
-    _feed(job, context, run, log_start, layout)
+    stored = StoreEngine.for_job(job.config, job.model_record) if job.config.cache.enabled else None
+    if stored is not None and (tokenizer := _stored_only(job, context, run, stored)) is not None:
+        log.info("shard %s: every remaining request is in the request store; no engine is started", job.shard.id)
+        context = dataclasses.replace(context, engine=NoEngine(tokenizer))
+    else:
+        _start_engine(job, context, run, log_start, layout)
+    _feed(job, context, run, log_start, layout, stored)
     return run
+
+
+def _stored_only(job: ShardJob, context: JobContext, run: AttemptRun, stored: StoreEngine) -> Tokenizer | None:
+    """The model's tokenizer (loaded without an engine) when the request store answers every remaining row
+    of the shard, looked up with it; None when a row is not stored or is an error, or the job's engine runs
+    already (or the rows have images or turns, or the model several nodes). The rows are read and prepared
+    once more for it, where the store holds anything."""
+    config = job.config
+    if not stored.store.holds_any() or context.engine.running or config.prompt.images or config.resources.nodes > 1:
+        return None
+    try:
+        hf = fetch.load_tokenizer(config.model, job.model_record)
+    except ShardgenError as e:
+        log.info("shard %s: the request store is not searched before the engine starts (%s)", job.shard.id, e)
+        return None
+    tokenizer = Tokenizer(hf, 2**62, config.kind.generates, config.template_kwargs)  # a row too long is not stored
+    task, inputs = _task(job, run, tokenizer)
+    if task.turns() is not None:  # a rollout's later turns are not known before its first ones end
+        return None
+    errors: list[int] = []  # the rows that would be errors (a row a step before dropped is none: no request)
+
+    def error(index: int, row: dict[str, Any], e: RowError) -> None:
+        if e.reason != DROPPED:
+            errors.append(index)
+
+    requests = prepared_requests(job.remaining_rows(), job.renderer, tokenizer, task, error, inputs=inputs)
+    return tokenizer if stored.answers_all(requests, errors) else None
+
+
+def _task(job: ShardJob, run: AttemptRun, tokenizer: Tokenizer) -> tuple[Any, RowInputs]:
+    """What the shard's rows become (``tasks.Task``), and what their requests carry beside their tokens."""
+    config = job.config
+    loras = job.model_record.get("adapters") or {}
+    adapters = Adapters(config.lora, loras, run.settings.build) if config.lora.adapters else None
+    return make_task(config, tokenizer, job.head), RowInputs.for_run(config, job.source, adapters)
 
 
 def _start_engine(job: ShardJob, context: JobContext, run: AttemptRun, log_start: int, layout: dict[str, Any]) -> None:
@@ -381,22 +422,20 @@ def _start_engine(job: ShardJob, context: JobContext, run: AttemptRun, log_start
     run.engine_seconds = time.time() - t0  # about 0 when the job's engine was running already
 
 
-def _feed(job: ShardJob, context: JobContext, run: AttemptRun, log_start: int, layout: dict[str, Any]) -> None:
-    """Phase 3: the remaining rows through the engine, and what the feed and the engine counted."""
+def _feed(
+    job: ShardJob, context: JobContext, run: AttemptRun, log_start: int, layout: dict[str, Any],
+    stored: StoreEngine | None = None,
+) -> None:  # fmt: skip
+    """Phase 3: the remaining rows through the engine (behind the request store, ``stored``), and what the
+    feed and the engine counted."""
     engine, stop, config = context.engine, context.stop, job.config
     tokenizer = engine.tokenizer(config.kind.generates, config.template_kwargs)
     job.renderer.max_chars = tokenizer.max_prompt_chars
-    task = make_task(config, tokenizer, job.head)
-    loras = job.model_record.get("adapters") or {}
-    adapters = Adapters(config.lora, loras, run.settings.build) if config.lora.adapters else None
-    inputs = RowInputs.for_run(config, job.source, adapters)
+    task, inputs = _task(job, run, tokenizer)
     work = job.work()
-    if config.cache.enabled:  # the request store in front of the engine
-        store = RequestStore.for_config(config)
-        store.refresh()
-        about = {"model": config.model.get("model"), "task": config.task}
-        engine = StoreEngine(engine, store, job_context(config, job.model_record), about)
-        work.on_save = engine.save
+    if stored is not None:
+        stored.engine = engine
+        engine, work.on_save = stored, stored.save
     feed = ShardFeed(work, task, tokenizer, engine, stop, run.counters, context.window, inputs)
     before = engine.counters()
     t1 = time.time()

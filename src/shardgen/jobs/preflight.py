@@ -39,7 +39,7 @@ from shardgen.engines import vllm as eng
 from shardgen.errors import InputError, RowError, ShardgenError
 from shardgen.jobs.feed.requests import Request, RowInputs, prepared_requests
 from shardgen.models import heads
-from shardgen.models.fetch import load_record, resolve_model
+from shardgen.models.fetch import load_record, load_tokenizer, resolve_model
 from shardgen.requests import lora, reasoning
 from shardgen.requests.prompts import PromptRenderer
 from shardgen.requests.results import DROPPED, choice_first_tokens
@@ -204,19 +204,6 @@ def sample_rows(source: Any, manifest: Manifest, n: int) -> list[tuple[int, dict
     return rows[:n]
 
 
-def _load_tokenizer(model_cfg: Mapping[str, Any], record: dict[str, Any]):
-    from transformers import AutoTokenizer
-
-    key = "tokenizer" if record.get("tokenizer") else "model"
-    where = record["tokenizer"]["path"] if record.get("tokenizer") else record["path"]
-    try:
-        return AutoTokenizer.from_pretrained(
-            str(where), trust_remote_code=model_cfg.get("trust_remote_code", False), local_files_only=True
-        )
-    except Exception as e:  # transformers raises many kinds
-        raise PreflightError(f"model.{key}: cannot load the tokenizer from '{where}': {type(e).__name__}: {e}") from e
-
-
 def check_sampling(config: RunConfig, tokenizer: Any, build: str) -> tuple[list[str], list[str]]:
     """Problems and notes of the sampling settings that need the tokenizer or the build; the reasoning
     parser here, before any job, rather than in the config check (``config.check_reasoning``): its
@@ -350,7 +337,7 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
             f"sampling.max_tokens ({sampling.max_tokens}) leaves no room for a prompt in the model's "
             f"context of {max_len} tokens"
         )
-    hf_tokenizer = _load_tokenizer(model_cfg, record)
+    hf_tokenizer = load_tokenizer(model_cfg, record)
     tokenizer = kinds.Tokenizer(hf_tokenizer, max_len or 2**62, config.kind.generates, config.template_kwargs)
     more_problems, more_notes = config.kind.check_model(config, hf_tokenizer)  # what the task adds: a rollout's tools
     problems += more_problems

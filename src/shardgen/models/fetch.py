@@ -338,3 +338,22 @@ def main_fetch(config: RunConfig, output_path: str | Path) -> int:
     if vllm_build() == "cuda" and (done := ensure_kernels()):
         print(done)
     return 0
+
+
+def load_tokenizer(model_cfg: Mapping[str, Any], record: dict[str, Any]) -> Any:
+    """The model's tokenizer (transformers'), from where the fetch step found it (``record``), without an
+    engine: the preflight's, and a job's that looks its requests up in the request store first.
+
+    Raises:
+        ShardgenError: it does not load, naming the key and the directory.
+    """
+    from transformers import AutoTokenizer  # a second of import, for the commands that tokenize
+
+    key = "tokenizer" if record.get("tokenizer") else "model"
+    where = record["tokenizer"]["path"] if record.get("tokenizer") else record["path"]
+    try:
+        return AutoTokenizer.from_pretrained(
+            str(where), trust_remote_code=model_cfg.get("trust_remote_code", False), local_files_only=True
+        )
+    except Exception as e:  # transformers raises many kinds
+        raise ShardgenError(f"model.{key}: cannot load the tokenizer from '{where}': {type(e).__name__}: {e}") from e
