@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from shardgen.engines.store import ABOUT, DUPLICATE, ENGINE, STORE, RequestStore
@@ -45,11 +44,8 @@ def size_bytes(text: str) -> int:
 
 def entry_files(store: RequestStore) -> list[EntryFile]:
     """The store's entry files, oldest first (files that do not read are listed with no entries)."""
-    infos = store.fs.get_file_info(pafs.FileSelector(store.entries, allow_not_found=True))
     out = []
-    for info in infos:
-        if info.type != pafs.FileType.File or not info.path.endswith(".parquet") or "/." in info.path:
-            continue
+    for info in store.listed():
         mtime = info.mtime.timestamp() if info.mtime is not None else 0.0
         try:
             meta = pq.read_metadata(info.path, filesystem=store.fs)

@@ -45,7 +45,7 @@ from typing import Any
 from shardgen import config as cfg
 from shardgen.engines import kinds as eng
 from shardgen.errors import ConfigError, ShardgenError
-from shardgen.requests.results import EngineRequest
+from shardgen.requests.results import ENGINE, EngineRequest
 
 log = logging.getLogger(__name__)
 
@@ -210,15 +210,17 @@ class ServerSample:
 @dataclass
 class ServerOutput:
     """A finished request, with the fields of vLLM's ``RequestOutput`` the feed reads; ``error``: why the
-    server refused it (the row's error)."""
+    server refused it (the row's error). Also the form of a stored answer (``store.rebuilt``): ``source``
+    says where it came from (``results.ENGINE``, ``STORE``, ``DUPLICATE``)."""
 
     request_id: str
     prompt_token_ids: list[int]
-    outputs: list[ServerSample]
+    outputs: Any  # a list of ServerSample; a stored pooled answer's ``results.Pooled``
     finished: bool = True
     metrics: Any = None
     num_cached_tokens: int = 0
     error: str | None = None
+    source: str = ENGINE
 
 
 # the SamplingParams fields a completion request carries under the same name (vllm/entrypoints/openai/

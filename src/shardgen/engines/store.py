@@ -44,6 +44,7 @@ import pyarrow.parquet as pq
 from shardgen.base import storage
 from shardgen.config import content_config
 from shardgen.engines import kinds
+from shardgen.engines.server import ServerOutput, ServerSample
 from shardgen.errors import ShardgenError
 from shardgen.requests.results import DUPLICATE, ENGINE, STORE, EngineRequest, Pooled
 
@@ -166,49 +167,22 @@ def answer(out: Any) -> str:
     return json.dumps({"samples": samples})
 
 
-@dataclass
-class StoredSample:
-    """A stored sample, with the fields of vLLM's ``CompletionOutput`` the tasks read."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: Any = None
-    cumulative_logprob: float | None = None
-    logprobs: list[dict[int, Any]] | None = None
-
-
-@dataclass
-class StoredOutput:
-    """A request answered without the engine: from the store or from a request with its key in this job
-    (``source``). No metrics: no latency or time to first token is counted for it."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: Any
-    source: str
-    finished: bool = True
-    metrics: Any = None
-    num_cached_tokens: int = 0
-    error: str | None = None
-
-
-def rebuilt(request: EngineRequest, text: str, source: str) -> StoredOutput:
-    """The output of ``request`` from a stored answer."""
+def rebuilt(request: EngineRequest, text: str, source: str) -> ServerOutput:
+    """The output of ``request`` from a stored answer, in the neutral form a server's answers are read into
+    (no metrics: no latency or time to first token is counted for it)."""
     data = json.loads(text)
     ids = list(request.prompt.get("prompt_token_ids") or ())
     if "pooled" in data:
-        return StoredOutput(request.request_id, ids, Pooled(data["pooled"]), source)
+        return ServerOutput(request.request_id, ids, Pooled(data["pooled"]), source=source)
     samples = []
     for s in data["samples"]:
         logprobs = None
         if s["logprobs"] is not None:
             logprobs = [{t: SimpleNamespace(logprob=lp, rank=rank, decoded_token=tok) for t, lp, rank, tok in position}
                         for position in s["logprobs"]]  # fmt: skip
-        samples.append(StoredSample(s["index"], s["text"], s["token_ids"], s["finish_reason"], s["stop_reason"],
-                                    s["cumulative_logprob"], logprobs))  # fmt: skip
-    return StoredOutput(request.request_id, ids, samples, source)
+        samples.append(ServerSample(s["index"], s["text"], s["token_ids"], s["finish_reason"], s["stop_reason"],
+                                    logprobs, s["cumulative_logprob"]))  # fmt: skip
+    return ServerOutput(request.request_id, ids, samples, source=source)
 
 
 # -- The store ----------------------------------------------------------------------------------------
@@ -245,11 +219,23 @@ class RequestStore:
         """The run's store (``cache.dir``, by default ``<output.dir>/cache``), one per process and directory."""
         return _store(store_root(config), json.dumps(dict(config.input.storage_options), sort_keys=True))
 
+    def listed(self) -> list[pafs.FileInfo]:
+        """The entry files there now, by path (not a hidden one a writer has not renamed yet).
+
+        Raises:
+            OSError: the directory (or prefix) cannot be listed.
+        """
+        infos = self.fs.get_file_info(pafs.FileSelector(self.entries, allow_not_found=True))
+        names = ((i, i.path.rsplit("/", 1)[-1]) for i in infos)
+        files = [i for i, name in names if i.type == pafs.FileType.File and name.endswith(".parquet")
+                 and not name.startswith(".")]  # fmt: skip
+        return sorted(files, key=lambda i: i.path)
+
     def refresh(self) -> None:
         """Index the entry files added since the last look, and forget those removed since (pruned:
         ``shardgen cache``)."""
         try:
-            infos = self.fs.get_file_info(pafs.FileSelector(self.entries, allow_not_found=True))
+            infos = self.listed()
         except OSError as e:
             log.warning("request store %s: not listed (%s); every request goes to the engine", self.root, e)
             return
@@ -260,9 +246,8 @@ class RequestStore:
                 self._open.pop(n, None)
             self._seen -= gone
         added = []
-        for info in sorted(infos, key=lambda i: i.path):
-            name = info.path.rsplit("/", 1)[-1]
-            if info.type != pafs.FileType.File or not name.endswith(".parquet") or info.path in self._seen:
+        for info in infos:
+            if info.path in self._seen:
                 continue
             self._seen.add(info.path)
             try:
@@ -442,7 +427,7 @@ class NoEngine(kinds.OutsideEngine):
 class StoreEngine:
     """An engine handle (``kinds.for_config``) behind the store, with the same methods: ``submit`` sends
     the engine only the requests whose keys are neither stored nor in flight; ``step`` hands back the
-    engine's outputs and the answers found (``StoredOutput``); ``save`` adds the engine's new answers
+    engine's outputs and the answers found (``rebuilt``); ``save`` adds the engine's new answers
     to the store (the feed calls it before it saves rows, ``ShardWork.on_save``).
 
     Args:
@@ -457,7 +442,7 @@ class StoreEngine:
     about: dict[str, Any] = field(default_factory=dict)  # the model and task, in each file's metadata
     # the keyed requests answered since the last save, by where the answer came from
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys((ENGINE, STORE, DUPLICATE), 0))
-    _ready: list[StoredOutput] = field(default_factory=list)
+    _ready: list[ServerOutput] = field(default_factory=list)
     _followers: dict[bytes, list[EngineRequest]] = field(default_factory=dict)  # by the key in flight
     _key_of: dict[str, bytes] = field(default_factory=dict)  # the engine's keyed requests
     _in_engine: set[str] = field(default_factory=set)
@@ -544,7 +529,7 @@ class StoreEngine:
         for r in self._followers.pop(key, []):
             if text is None:
                 ids = list(r.prompt.get("prompt_token_ids") or ())
-                self._ready.append(StoredOutput(r.request_id, ids, [], DUPLICATE, error=error))
+                self._ready.append(ServerOutput(r.request_id, ids, [], error=error, source=DUPLICATE))
             else:
                 self._ready.append(rebuilt(r, text, DUPLICATE))
 
