@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             out_dir = args.dir or cfg.load(args.configfile or "config/config.yaml")["output"]["dir"]
             return main_status(out_dir, args.window, args.all)
         if args.command == "cache":
+            # numpy and the store's modules: loaded by the command that reads a store, not by every command
             from shardgen.commands.cache import main_cache
             from shardgen.engines.store import store_root
 
