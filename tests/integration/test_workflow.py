@@ -157,17 +157,29 @@ def test_slurm_profile_submits_a_job_per_shard_without_pausing_retries_a_killed_
     assert dry_run_jobs(tmp_path, config, "slurm") == {}, "nothing to do again, nothing uploaded again"
 
 
-def test_local_profile_runs_a_dataset_saved_with_save_to_disk_into_a_datasets_directory(tmp_path):
+def test_local_profile_runs_a_dataset_saved_with_save_to_disk_into_a_datasets_directory(tmp_path, monkeypatch):
+    """Run from Python (``shardgen.run``, as the command line), and the same rows through
+    ``shardgen.generate`` give the same rows and columns."""
     import datasets
+
+    import shardgen
 
     rows = make_rows(14)
     datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "ds")
     # one shard (the Slurm test runs several), on the fake engine: what is tested is what reruns
     config = workflow_config({"disk": str(tmp_path / "ds")}, shards={"rows_per_shard": 14}, output={"format": "hf"},
                              engine={"kind": "fake"})  # fmt: skip
-    run_workflow(tmp_path, config, "local")
+    monkeypatch.setenv("PATH", f"{BIN}:{os.environ['PATH']}")  # the jobs' `shardgen` command
+    result = shardgen.run(config, profile="local", directory=tmp_path)
+    assert result.output == tmp_path / "results" / "output" and result.stats["rows"] == 14
     ds = datasets.load_from_disk(str(tmp_path / "results" / "output"))
     stats = json.loads((tmp_path / "results" / "stats.json").read_text())
+    assert stats == result.stats
+    table = shardgen.generate(datasets.Dataset.from_list(rows), config, workdir=tmp_path / "work")
+    shardgen.close()
+    assert table.column_names == ds.column_names
+    differ = [c for c in table.column_names if table.column(c).to_pylist() != ds[c]]
+    assert differ == [], differ
     assert ds["id"] == [r["id"] for r in rows] and ds["row_index"] == list(range(14))
     assert all(g.strip() for g in ds["generation"]) and stats["rows"] == 14 and stats["errors"] == 0
     assert json.loads(ds.info.description)["shardgen_provenance"]["config_fingerprint"] == stats["config_fingerprint"]
