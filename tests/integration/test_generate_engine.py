@@ -73,6 +73,30 @@ def test_every_row_of_a_shard_gets_a_generation_and_the_stats_match_the_rows(tmp
 
 
 @pytest.mark.engine
+def test_shardgen_generate_runs_on_vllm_and_the_same_call_twice_starts_one_engine(tmp_path, engine, monkeypatch):
+    """The notebook loop on vLLM: the engine ``generate`` keeps between calls is started once (here the
+    session's, which it is handed as its kept one), and its run's stats hold vLLM's own metrics."""
+    import shardgen
+    from shardgen import api
+    from shardgen import config as cfg
+    from tests.conftest import TEST_MODEL_CFG
+
+    monkeypatch.setattr(api, "_engine", (cfg.digest({}), engine))  # (never closed by the test: the session's)
+    config = {"prompt": {"template": "Write one short sentence about {{ topic }}."}, "model": TEST_MODEL_CFG,
+              "sampling": {"temperature": 0.0, "max_tokens": 6}}  # fmt: skip
+    rows = make_rows(5)
+    first = shardgen.generate(rows, config, workdir=tmp_path)
+    llm = engine.llm
+    second = shardgen.generate(rows, config, workdir=tmp_path)
+    assert api._engine == (cfg.digest({}), engine) and engine.llm is llm, "one engine for both calls"
+    assert first.column("id").to_pylist() == [r["id"] for r in rows] and first.equals(second)
+    assert all(g.strip() for g in first.column("generation").to_pylist())
+    (stats,) = [json.loads(p.read_text()) for p in tmp_path.glob("runs/*/stats.json")]  # the call's run's
+    assert stats["rows"] == 5 and stats["ttft_p50_s"] > 0, "vLLM's per-request time to first token"
+    monkeypatch.setattr(api, "_engine", None)
+
+
+@pytest.mark.engine
 def test_the_request_store_keeps_vllms_answers_as_they_were_and_an_edited_branch_reruns_only_its_rows(tmp_path, engine):
     """On vLLM: duplicates in a shard get the answer of the request sent, a rerun after an edit to one
     branch of the template takes every other row from the store, each equal to the answer stored

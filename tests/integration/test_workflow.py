@@ -146,12 +146,13 @@ def test_slurm_profile_submits_a_job_per_shard_without_pausing_retries_a_killed_
     # the compute side read the objects before any generate job: a Slurm job of its own
     reach = json.loads((tmp_path / "results" / "plan" / "storage-reach.json").read_text())
     assert reach["objects"] == ["s3://slurm-in/data/part-0.parquet"] and reach["slurm_job_id"], reach
-    # the objects' rows, as the same files on local disk hold them; the output and stats uploaded
+    # the objects' rows, as the same files on local disk hold them; the output, stats and card uploaded
     local = [r for f in files for r in pq.read_table(f).to_pylist()]
     assert table.select(["id", "topic", "n"]).to_pylist() == local
     uploaded = json.loads((tmp_path / "results" / "uploaded.json").read_text())
-    assert uploaded["uploaded"] == ["s3://slurm-out/run/output.parquet", "s3://slurm-out/run/stats.json"]
-    for name in ("output.parquet", "stats.json"):
+    names = ["output.parquet", "stats.json", "README.md"]
+    assert uploaded["uploaded"] == [f"s3://slurm-out/run/{name}" for name in names]
+    for name in names:
         body = store.get_object(Bucket="slurm-out", Key=f"run/{name}")["Body"].read()
         assert body == (tmp_path / "results" / name).read_bytes(), name
     assert dry_run_jobs(tmp_path, config, "slurm") == {}, "nothing to do again, nothing uploaded again"

@@ -172,7 +172,21 @@ def test_each_output_format_loads_back_with_its_provenance(tmp_path):
     assert json.loads(ds.info.description)["shardgen_provenance"]["config_fingerprint"] == fp
 
 
+def hub_cards(monkeypatch):
+    """The hub's dataset cards, stood in for: the card a dataset's push leaves (with the metadata of its
+    files), and the list of the cards pushed over it."""
+    import huggingface_hub
+
+    hub_card = "---\nconfigs:\n- config_name: default\n  data_files: data/*.parquet\n---\n\n# pushed\n"
+    cards = []
+    monkeypatch.setattr(huggingface_hub.DatasetCard, "load", classmethod(lambda cls, repo, **kw: cls(hub_card)))
+    monkeypatch.setattr(huggingface_hub.DatasetCard, "push_to_hub",
+                        lambda self, repo, **kw: cards.append((repo, str(self), kw)) or "card01")  # fmt: skip
+    return cards
+
+
 def test_push_to_hub_sends_the_merged_rows_with_the_token_from_the_environment_only(tmp_path, monkeypatch):
+    """And the merge's dataset card as the dataset's (the hub is this test's stand-in: nothing reaches it)."""
     import datasets
 
     from shardgen.jobs.merge import push
@@ -187,12 +201,39 @@ def test_push_to_hub_sends_the_merged_rows_with_the_token_from_the_environment_o
         return type("CommitInfo", (), {"oid": "abc123"})()
 
     monkeypatch.setattr(datasets.Dataset, "push_to_hub", fake_push)
+    cards = hub_cards(monkeypatch)
     c = config(format="jsonl", push_to_hub="org/reviews-labelled")
     record = push(c, tmp_path / "out.jsonl", tmp_path / "s.json", tmp_path / "pushed.json")
     ((repo, rows, kwargs),) = calls
     assert repo == "org/reviews-labelled" and rows == 10 and "token" not in kwargs and kwargs["private"] is True
-    assert record == {"repo_id": "org/reviews-labelled", "rows": 10, "commit": "abc123"}
+    assert record == {"repo_id": "org/reviews-labelled", "rows": 10, "commit": "abc123", "card": "card01"}
     assert "hf_Secret" not in (tmp_path / "pushed.json").read_text()
+    ((repo, text, kwargs),) = cards
+    assert repo == "org/reviews-labelled" and kwargs["repo_type"] == "dataset" and "token" not in kwargs
+    assert text.startswith("---\n") and "data_files: data/*.parquet" in text, "the hub's files, not output.jsonl"
+    assert text.split("---\n", 2)[2] == (tmp_path / "README.md").read_text().split("---\n", 2)[2], "the merge's card"
+
+
+def test_every_output_gets_a_dataset_card_saying_what_was_run_and_how_to_run_it_again(tmp_path):
+    import datasets
+    from huggingface_hub import DatasetCard
+
+    from shardgen import config as cfg
+
+    complete(tmp_path)
+    stats = merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "output.parquet", tmp_path / "stats.json")
+    card = DatasetCard((tmp_path / "README.md").read_text())  # the hub's own reader
+    assert card.data.tags == ["shardgen", "synthetic"] and card.data.size_categories == ["n<1K"]
+    assert card.data.configs == [{"config_name": "default", "data_files": "output.parquet"}]
+    run = config(dir=str(tmp_path))
+    for said in (f"config fingerprint: `{stats['config_fingerprint']}`", "rows            10  (0 errors)",
+                 "GPU-hours", run.prompt.template, '"max_tokens": 12', f"{run.model['model'].rsplit('/')[-1]}`",
+                 f"--configfile <output.dir>/plan/configs/{cfg.digest(dict(run.raw))}.json"):  # fmt: skip
+        assert said in card.text, said
+    # a directory output holds its card, and still loads
+    merge(write_plan(tmp_path), tmp_path / "shards", tmp_path / "out_hf", tmp_path / "s.json", format="hf")
+    assert (tmp_path / "out_hf" / "README.md").exists()
+    assert datasets.load_from_disk(str(tmp_path / "out_hf"))["row_index"] == list(range(10))
 
 
 def test_merge_decides_from_the_vllm_the_shards_were_made_with_not_from_its_own_environment(tmp_path, monkeypatch):
@@ -211,6 +252,7 @@ def test_merge_decides_from_the_vllm_the_shards_were_made_with_not_from_its_own_
     assert stats["rows"] == 10 and stats["provenance"]["vllm_version"] == "0.32.0"
     messages = []
     monkeypatch.setattr(datasets.Dataset, "push_to_hub", lambda self, repo, **kw: messages.append(kw["commit_message"]))
+    hub_cards(monkeypatch)
     push(config(push_to_hub="org/x"), tmp_path / "out.parquet", tmp_path / "stats.json", tmp_path / "pushed.json")
     assert messages == [f"shardgen output, config fingerprint {config().fingerprint_with('0.32.0')}"]
 

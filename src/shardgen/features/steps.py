@@ -45,6 +45,7 @@ from shardgen.base.rundir import RunDir, committed_fingerprint
 from shardgen.base.sandbox import BoundedSandbox, RenderBudget, TemplateTimeout
 from shardgen.config import RunConfig, content_fingerprint, digest, validate
 from shardgen.data import formats, plan, sources
+from shardgen.data.card import write_card
 from shardgen.data.manifest import MANIFEST_VERSION, Manifest, Segment
 from shardgen.data.plan import check_columns
 from shardgen.data.sources import Source
@@ -493,6 +494,7 @@ def finish(config: Mapping[str, Any], output: str | Path, stats_path: str | Path
     stats["provenance"] = prov
     stats["output"] = {"path": str(output), "format": fmt}
     atomic_write_text(stats_path, json.dumps(stats, indent=1, default=str) + "\n")
+    write_card(config, stats, summary_text(stats), output)
     return stats
 
 

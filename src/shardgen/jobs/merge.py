@@ -27,6 +27,7 @@ from shardgen.base.io import Dir, atomic_write_text
 from shardgen.base.rundir import RunDir
 from shardgen.config import RunConfig, published_sampling
 from shardgen.data import formats
+from shardgen.data.card import card_path, write_card
 from shardgen.data.manifest import Manifest, Shard, run_shards
 from shardgen.data.outputs import CONFIG_KEY, SHARD_KEY, count_problems, rows_per_input
 from shardgen.data.stats import RunTotals, summary_text
@@ -257,6 +258,7 @@ def merge(
     stats["provenance"] = prov
     stats["output"] = {"path": str(output), "format": config.output.format}
     atomic_write_text(stats_path, json.dumps(stats, indent=1, default=str) + "\n")
+    write_card(config.raw, stats, summary_text(stats), output)
     return stats
 
 
@@ -277,8 +279,24 @@ def push(
     message = f"shardgen output, config fingerprint {fingerprint}"
     info = ds.push_to_hub(repo, private=True, commit_message=message)
     record = {"repo_id": repo, "rows": ds.num_rows, "commit": getattr(info, "oid", None)}
+    if (card := card_path(dataset_path)).exists():  # the merge's card, as the dataset's, over the one the push made
+        record["card"] = push_card(repo, card.read_text(), message)
     atomic_write_text(record_path, json.dumps(record, indent=1) + "\n")
     return record
+
+
+def push_card(repo: str, text: str, message: str) -> str | None:
+    """Push the dataset card ``text`` to the dataset ``repo``, keeping the metadata the hub's card has
+    from the dataset's push (its files' ``configs``, ``dataset_info``); return the commit."""
+    from huggingface_hub import DatasetCard  # (a push's only)
+
+    card = DatasetCard(text)
+    pushed = DatasetCard.load(repo, repo_type="dataset").data.to_dict()
+    for key in ("configs", "dataset_info"):
+        if key in pushed:
+            card.data[key] = pushed[key]
+    info = card.push_to_hub(repo, repo_type="dataset", commit_message=f"{message}: dataset card")
+    return getattr(info, "oid", None) if info is not None and not isinstance(info, str) else info
 
 
 def upload(config: RunConfig, dataset_path: str | Path, stats_path: str | Path, record_path: str | Path) -> dict:
@@ -296,6 +314,8 @@ def upload(config: RunConfig, dataset_path: str | Path, stats_path: str | Path, 
         beside = dataset.with_name(dataset.name + formats.PROVENANCE_SUFFIX)
         files = [(dataset, dataset.name)] + ([(beside, beside.name)] if beside.exists() else [])
     files.append((Path(stats_path), Path(stats_path).name))
+    if not dataset.is_dir() and (card := card_path(dataset)).exists():  # (a directory's is in it)
+        files.append((card, card.name))
     state = RunDir(config.output.dir).upload_state
     done = storage.upload(files, prefix, config.input.storage_options, state)
     record = {"prefix": prefix, **done}
