@@ -39,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--manifest", required=True)
     pre.add_argument("--report", required=True, help="where to write the preflight report (JSON)")
     pre.add_argument("--model-record", help="where the fetch step found the model (its JSON record)")
+    # (the workflow passes them in the environment: workflow/rules/common.smk, preflight_environment)
+    pre.add_argument("--gpu-model", default=os.environ.get("SHARDGEN_JOBS_GPU_MODEL") or None,
+                     help="the generate jobs' GPU type (the profile's gpu_model), for the estimate")  # fmt: skip
+    pre.add_argument("--time-limit", type=float, default=os.environ.get("SHARDGEN_JOBS_TIME_LIMIT") or None,
+                     help="the generate jobs' time limit in minutes, for the estimate")  # fmt: skip
 
     gen = sub.add_parser(
         "generate", help="run vLLM over one shard, several with one engine start, or as an elastic worker"
@@ -141,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "preflight":
             from shardgen.jobs.preflight import main_preflight
 
-            return main_preflight(_load(args.config), args.manifest, args.report, args.model_record)
+            return main_preflight(_load(args.config), args.manifest, args.report, args.model_record, args.gpu_model,
+                                  args.time_limit)  # fmt: skip
         if args.command == "generate":
             from shardgen.jobs import workers
 

@@ -658,6 +658,7 @@ class EngineConfig:
 class PreflightConfig:
     sample_rows: int = 1000
     tokens_per_second: float = 2500
+    prompt_tokens_per_second: float = 20000
     engine_start_seconds: float = 120
 
 

@@ -1,5 +1,6 @@
 # Glue: paths, config lookups and input functions. Logic lives in the package.
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -169,6 +170,23 @@ def step_before_shard(wildcards):
         STEP_BEFORE.shard_file(wildcards.shard),
         STEP_BEFORE.shard_stats(wildcards.shard),
     ]
+
+
+def preflight_environment():
+    """The GPU type and time limit the generate jobs ask for (the profile's), for the preflight's
+    estimate of a shard's minutes (shardgen preflight --gpu-model, --time-limit). In the environment
+    the preflight inherits, not a parameter: a change of them checks nothing again and reruns no shard.
+    """
+    request = cluster.generate_request(
+        RUN, workflow.resource_settings, GENERATE_RULE, RUN.resources.runtime
+    )
+    return {
+        "SHARDGEN_JOBS_TIME_LIMIT": f"{request.runtime_min:g}",
+        "SHARDGEN_JOBS_GPU_MODEL": request.gpu_model or "",
+    }
+
+
+os.environ.update(preflight_environment())
 
 
 def generate_args(wildcards, output):

@@ -427,6 +427,24 @@ def check_gpus(
 # compatibility guide: 13.x needs 580 or newer, 12.x 525, 11.x 450, through
 # minor-version compatibility). vLLM 0.32.0 on PyPI and the torch it pins are
 # CUDA 13 builds (torch.version.cuda "13.0"), so its nodes need driver 580.
+# How fast a GPU type reads prompts (compute-bound prefill: dense BF16 TFLOPS) and generates tokens
+# (memory-bound decode: HBM bandwidth), against an H100 SXM's 989 TFLOPS and 3.35 TB/s, from NVIDIA's
+# data sheets: A100 80GB SXM 312 and 2.04, H200 989 and 4.8, B200 2,250 and 8, L40S 362 and 0.86. For
+# the preflight's estimate of a shard's minutes; matched in a Slurm GRES type name (``nvidia_h100_80gb``).
+RELATIVE_SPEED = {"h200": (1.0, 1.43), "h100": (1.0, 1.0), "b200": (2.28, 2.39), "a100": (0.32, 0.61),
+                  "l40s": (0.37, 0.26)}  # fmt: skip
+
+
+def relative_speed(gpu_model: str | None) -> tuple[float, float, str]:
+    """(prefill, decode) speed of ``gpu_model`` against an H100's, and the name the estimate says: an
+    H100's own for a type not known (or none given)."""
+    name = (gpu_model or "").lower()
+    for key, (prefill, decode) in RELATIVE_SPEED.items():
+        if key in name:
+            return prefill, decode, key.upper()
+    return 1.0, 1.0, f"an H100 (the assumed GPU{f'; {gpu_model!r} is not in gpus.RELATIVE_SPEED' if name else ''})"
+
+
 MIN_DRIVER = {13: (580, 0), 12: (525, 60), 11: (450, 80)}
 
 

@@ -27,6 +27,7 @@ from shardgen.base.gpus import (
     MXFP4_WEIGHT_FORMATS,
     checkpoint_quant_method,
     installed_quantization_methods,
+    relative_speed,
 )
 from shardgen.base.installed import version_problem, vllm_build
 from shardgen.base.io import atomic_write_text
@@ -267,12 +268,17 @@ def unused_template_kwargs(tokenizer: Any, kwargs: Mapping[str, Any]) -> list[st
     return sorted(k for k in kwargs if k not in names)
 
 
-def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | None = None) -> dict[str, Any]:
+def run(
+    config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | None = None,
+    gpu_model: str | None = None, time_limit: float | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Check the run; return the report.
 
     Args:
         record: where the fetch step found the model; when None, it is looked
             up on the local disk only.
+        gpu_model, time_limit: the GPU type and the time limit (minutes) the generate jobs ask for (the
+            profile's), for the estimate of a shard's minutes (``estimate``).
 
     Raises:
         PreflightError: listing every problem found.
@@ -423,8 +429,9 @@ def run(config: RunConfig, manifest_path: str | Path, record: dict[str, Any] | N
         "max_model_len": max_len,
         "sampled_rows": len(sample),
         "sampled_errors": reasons,
-        "estimate": estimate(config, manifest, lengths, outputs),
+        "estimate": estimate(config, manifest, lengths, outputs, gpu_model, time_limit),
     }
+    report["warnings"] += sizing_warnings(config, report["estimate"])
     if problems:
         raise PreflightError(
             f"preflight found {len(problems)} problem(s); no generate job was submitted:\n  - "
@@ -481,13 +488,18 @@ def _run_without_engine(
 
 
 def estimate(
-    config: RunConfig, manifest: Manifest, lengths: list[int], outputs: list[int] | None = None
-) -> dict[str, Any]:
-    """The run's size: rows, shards, prompt tokens (from the sample) and GPU-hours at the stated throughput.
+    config: RunConfig, manifest: Manifest, lengths: list[int], outputs: list[int] | None = None,
+    gpu_model: str | None = None, time_limit: float | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The run's size: rows, shards, prompt tokens (from the sample), GPU-hours at the stated throughput,
+    and the minutes of the largest shard on the jobs' GPU type: the engine's start, its prompt tokens at
+    ``preflight.prompt_tokens_per_second`` and its output tokens at ``preflight.tokens_per_second`` (each
+    an H100's, scaled to ``gpu_model`` by ``gpus.relative_speed``).
 
     Args:
         outputs: the output tokens each sampled row may generate (its ``max_tokens`` times its ``n``):
             with ``input.sampling_column`` a row's own, so the sample's mean stands for every row.
+        gpu_model, time_limit: the jobs' GPU type and time limit in minutes (the profile's), when known.
     """
     rows, shards = manifest.total_rows, len(manifest.shards)
     pre = config.preflight
@@ -501,6 +513,12 @@ def estimate(
     work = out_tokens if generates else mean_prompt * rows  # a pooling task's work is its prompts
     seconds = work / pre.tokens_per_second + shards * pre.engine_start_seconds
     gpus = config.model.gpus
+    prefill, decode, gpu = relative_speed(gpu_model)
+    largest = max((s.rows for s in manifest.shards), default=0)
+    generating = (mean_prompt * largest / (pre.prompt_tokens_per_second * prefill)
+                  + (out_tokens / rows if rows else 0) * largest / (pre.tokens_per_second * decode))  # fmt: skip
+    if not generates:  # a pooling task's work is its prompts, at its stated rate
+        generating = mean_prompt * largest / (pre.tokens_per_second * prefill)
     return {
         "rows": rows,
         "shards": shards,
@@ -511,7 +529,39 @@ def estimate(
         "assumed_tokens_per_second": pre.tokens_per_second,
         "assumed_engine_start_seconds": pre.engine_start_seconds,
         "gpu_hours_at_most": round(seconds * gpus / 3600, 3),
+        "gpu": gpu,
+        "largest_shard_rows": largest,
+        "generation_minutes_per_shard": round(generating / 60, 1),
+        "minutes_per_shard": round((generating + pre.engine_start_seconds) / 60, 1),
+        "job_time_limit_minutes": time_limit,
+        # the rows of a shard that generates for SHARD_MINUTES, at the same rates
+        "rows_per_shard_for_target": (round(SHARD_MINUTES * 60 * largest / generating) if generating > 0 else None),
     } | ({"output_tokens_from": "the sampled rows' own max_tokens and n"} if per_row else {})
+
+
+# What the estimate takes a good shard to be: long against the engine's start and the queue, well within a
+# job's time limit (docs/deployment.md, "Shard size"); shorter than SHORT_SHARD_MINUTES is a warning.
+SHARD_MINUTES = 45
+SHORT_SHARD_MINUTES = 3
+
+
+def sizing_warnings(config: RunConfig, e: dict[str, Any]) -> list[str]:
+    """A shard expected to run past the jobs' time limit, or to generate for only a few minutes (in a run of
+    several shards, each paying the engine's start), with the rows per shard that would take SHARD_MINUTES."""
+    rates = (f"on {e['gpu']} at preflight.prompt_tokens_per_second and preflight.tokens_per_second, "
+             f"counting max_tokens; rows_per_shard about {e['rows_per_shard_for_target']} would take {SHARD_MINUTES} "
+             "minutes")  # fmt: skip
+    limit = e.get("job_time_limit_minutes")
+    if limit and e["minutes_per_shard"] > limit:
+        return [f"a shard of {e['largest_shard_rows']} rows is expected to take up to {e['minutes_per_shard']} minutes "
+                f"({rates}), past the generate jobs' time limit of {limit:g} minutes (resources.runtime): each "
+                "would need retries to finish"]  # fmt: skip
+    if e["shards"] > 3 and e["generation_minutes_per_shard"] < SHORT_SHARD_MINUTES:
+        return [f"shards are expected to generate for at most {e['generation_minutes_per_shard']} minutes each "
+                f"({rates}) against an engine start of about {e['assumed_engine_start_seconds']:g} s per job: "
+                "raise shards.rows_per_shard, or start the engine once for several shards (shards.per_job, "
+                "shards.workers)"]  # fmt: skip
+    return []
 
 
 def report_text(report: dict[str, Any]) -> str:
@@ -534,14 +584,20 @@ def report_text(report: dict[str, Any]) -> str:
         f"  GPU-hours at most {e['gpu_hours_at_most']} at {e['assumed_tokens_per_second']} output tokens/s "
         f"and {e['assumed_engine_start_seconds']} s engine start per job (preflight.tokens_per_second, "
         "preflight.engine_start_seconds)",
+        f"  a shard ({e['largest_shard_rows']} rows) about {e['minutes_per_shard']} minutes at most on {e['gpu']}, "
+        f"{e['generation_minutes_per_shard']} of them generating"
+        + (f" (the jobs' time limit: {e['job_time_limit_minutes']:g})" if e.get("job_time_limit_minutes") else ""),
     ]
     lines += [f"  warning: {w}" for w in report["warnings"]]
     return "\n".join(lines)
 
 
-def main_preflight(config: RunConfig, manifest: str, report_path: str, model_record: str | None = None) -> int:
+def main_preflight(
+    config: RunConfig, manifest: str, report_path: str, model_record: str | None = None,
+    gpu_model: str | None = None, time_limit: float | None = None,
+) -> int:  # fmt: skip
     jobenv.enter("preflight")  # done by the command already; in process (tests) here
-    report = run(config, manifest, load_record(model_record) if model_record else None)
+    report = run(config, manifest, load_record(model_record) if model_record else None, gpu_model, time_limit)
     atomic_write_text(report_path, json.dumps(report, indent=1) + "\n")
     print(report_text(report))
     return 0
