@@ -152,7 +152,7 @@ without a seed, and such a request is never reused: with `sampling.seed` (each r
 sampling, the request store answers every row whose request it has (`result_source: store`), however the
 shards moved. Duplicates is a first run: one request per distinct prompt went to the engine, the others
 were answered by it (`result_source: duplicate`), every row in input order. A file edited, removed or
-added before the others plans again from that file on (the README's "Changing the config"); the store
+added before the others plans again from that file on (docs/failures.md, "Changing the config"); the store
 still answers its rows whose request did not change.
 """
 

@@ -212,7 +212,7 @@ def test_the_steps_recipes_of_the_readmes_are_valid_configs():
     from tests.conftest import ROOT
 
     found = 0
-    for doc in (ROOT / "README.md", ROOT / "config" / "README.md"):
+    for doc in (ROOT / "README.md", ROOT / "config" / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
         for block in re.findall(r"^```yaml\n(.*?)^```", doc.read_text(), re.M | re.S):
             config = yaml.safe_load(block)
             if "steps" in config:
