@@ -3,6 +3,7 @@ engine (``fake``) where what is tested is the job's own (signals, saves, resumes
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -81,14 +82,17 @@ def test_shardgen_generate_runs_on_vllm_and_the_same_call_twice_starts_one_engin
     from shardgen import config as cfg
     from tests.conftest import TEST_MODEL_CFG
 
-    monkeypatch.setattr(api, "_engine", (cfg.digest({}), engine))  # (never closed by the test: the session's)
     config = {"prompt": {"template": "Write one short sentence about {{ topic }}."}, "model": TEST_MODEL_CFG,
               "sampling": {"temperature": 0.0, "max_tokens": 6}}  # fmt: skip
+    # the kept engine's key: the engine section as generate's validation fills it in
+    filled = cfg.validate(copy.deepcopy(config) | {"input": {"parquet": ["x.parquet"]}})
+    kept = (cfg.digest(filled["engine"]), engine)
+    monkeypatch.setattr(api, "_engine", kept)  # (the session's: never closed by the test)
     rows = make_rows(5)
     first = shardgen.generate(rows, config, workdir=tmp_path)
     llm = engine.llm
     second = shardgen.generate(rows, config, workdir=tmp_path)
-    assert api._engine == (cfg.digest({}), engine) and engine.llm is llm, "one engine for both calls"
+    assert api._engine == kept and engine.llm is llm, "one engine for both calls"
     assert first.column("id").to_pylist() == [r["id"] for r in rows] and first.equals(second)
     assert all(g.strip() for g in first.column("generation").to_pylist())
     (stats,) = [json.loads(p.read_text()) for p in tmp_path.glob("runs/*/stats.json")]  # the call's run's
