@@ -76,9 +76,17 @@ def generate(
         InputError: the data cannot be read, or lacks a column the config reads.
         TooManyErrors: more rows failed than ``errors.max_rate`` allows.
     """
-    work = Path(workdir or DEFAULT_WORKDIR).absolute()
+    saved = dict(os.environ)  # a job's environment (jobenv: offline, no token) is the job's, not the caller's
+    try:
+        return _generate(data, config, Path(workdir or DEFAULT_WORKDIR).absolute())
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _generate(data: Any, config: Mapping[str, Any] | str | os.PathLike[str], work: Path) -> pa.Table:
     raw, base = _read_config(config)
-    source = _input(data, work, base)
+    source = _input(data, work)
     raw["input"] = {k: v for k, v in (raw.get("input") or {}).items() if k not in _SOURCE_KEYS} | source
     output = {k: v for k, v in (raw.get("output") or {}).items() if k not in _WORKFLOW_OUTPUT_KEYS}
     raw["output"] = output | {"format": "parquet"}
@@ -181,12 +189,11 @@ def _read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> tuple[di
     return trust.read_mapping(path, "the config"), path.parent
 
 
-def _input(data: Any, work: Path, base: Path) -> dict[str, Any]:
+def _input(data: Any, work: Path) -> dict[str, Any]:
     """``input``'s source keys for ``data``: a path or glob as it is; rows given as objects written once
     to ``<work>/inputs/<digest>.parquet`` (the same rows, the same file: a call made again resumes)."""
     if isinstance(data, str | os.PathLike):
-        path = Path(data)
-        return {"parquet": [str(path if path.is_absolute() else base / path)]}
+        return {"parquet": [str(Path(data).absolute())]}
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -65,6 +65,17 @@ def test_generate_takes_each_kind_of_data_and_two_calls_start_one_engine(tmp_pat
     assert handle.answered == 8, "the same rows again: the committed run or the request store answers them"
 
 
+def test_the_callers_environment_is_kept_its_token_included(tmp_path, monkeypatch):
+    """A shard job drops the Hugging Face token and runs offline (jobenv): in a notebook, that is the job's,
+    and the next call may download a model."""
+    import os
+
+    monkeypatch.setenv("HF_TOKEN", "hf_kept")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    shardgen.generate(make_rows(2), CONFIG, workdir=tmp_path)
+    assert os.environ["HF_TOKEN"] == "hf_kept" and "HF_HUB_OFFLINE" not in os.environ
+
+
 def test_an_edited_template_generates_only_what_changed_and_a_config_file_reads_like_the_workflows(tmp_path):
     import yaml
 
