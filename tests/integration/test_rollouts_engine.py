@@ -74,7 +74,9 @@ def expected(call: dict) -> str:
     return json.dumps({"capital": capitals[call["country"]]})
 
 
-def test_each_row_is_a_valid_conversation_of_tool_calls_and_their_results_up_to_max_turns(tmp_path, engine):
+def test_each_row_is_a_valid_conversation_of_tool_calls_and_their_results_up_to_max_turns(
+    tmp_path, engine, monkeypatch
+):
     from openai.types.chat import ChatCompletionMessageParam
 
     calls_file = tmp_path / "calls.jsonl"
@@ -140,6 +142,22 @@ def test_each_row_is_a_valid_conversation_of_tool_calls_and_their_results_up_to_
     assert rollout_stats["tool_errors"] == 2 and rollout_stats["rows_at_max_turns"] == rows
     assert rollout_stats["engine_idle_on_tools_s"] >= 0 and rollout_stats["tool_seconds"] >= 2
     assert stats["generated_tokens"] == sum(table.column("generated_tokens").to_pylist())
+    # the same rollout from Python (shardgen.generate, handed the session's engine as its kept one)
+    import copy
+
+    import shardgen
+    from shardgen import api
+    from shardgen import config as cfg
+
+    raw = {k: copy.deepcopy(v) for k, v in config.raw.items() if k not in ("input", "output")}
+    kept = (cfg.digest(raw["engine"]), engine)
+    monkeypatch.setattr(api, "_engine", kept)  # (the session's: never closed by the test)
+    again = shardgen.generate(make_rows(rows), raw, workdir=tmp_path / "work")
+    assert api._engine == kept and again.column("id").to_pylist() == table.column("id").to_pylist()
+    assert again.column("turns").to_pylist() == [3] * rows and set(again.column("finish_reason").to_pylist()) == {
+        "max_turns"
+    }
+    monkeypatch.setattr(api, "_engine", None)
 
 
 def test_the_rollout_benchmark_runs_both_sides_on_the_same_rows(tmp_path, engine):
