@@ -236,12 +236,15 @@ def test_an_hf_input_whose_local_data_file_grew_is_planned_again_not_kept_or_ref
 
 
 @pytest.mark.engine
-def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_token(tmp_path, monkeypatch):
+def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_token(tmp_path, monkeypatch, capfd):
     """Shell metacharacters in values, a column named like a path, an output
     directory with a space, and a token in the environment: the run labels
     every row (two shards in one job), runs nothing it was not asked to, and
     the token appears nowhere. It runs shardgen as a Snakemake module of the
-    user's own Snakefile, whose handlers then still run (the lock, the summary)."""
+    user's own Snakefile, whose handlers then still run (the lock, the summary);
+    from Python (``shardgen.run``, which finds the user's Snakefile in its directory)."""
+    import shardgen
+
     marker = tmp_path.parent / f"{tmp_path.name}-pwned"
     token = "hf_ShardgenTestSecret0123456789abcdef"
     monkeypatch.setenv("HF_TOKEN", token)
@@ -268,11 +271,14 @@ def test_a_labelling_run_with_hostile_values_runs_no_shell_code_and_leaks_no_tok
         f'module shardgen:\n    snakefile:\n        "{ROOT / "Snakefile"}"\n    config:\n        config\n\n\n'
         "use rule * from shardgen\n"
     )
-    r = run_workflow(tmp_path, config, "local", snakefile=snakefile)
+    monkeypatch.setenv("PATH", f"{BIN}:{os.environ['PATH']}")  # the jobs' `shardgen` command
+    result = shardgen.run(config, profile="local", directory=tmp_path)
     assert not marker.exists(), "no config or row value ran as a shell command"
     out = tmp_path / "out dir; echo pwned"
+    assert result.output == out / "output.jsonl" and result.stats["rows"] == 4
     assert RunDir(out).lock.exists(), "the module's onstart took the run's lock"
-    assert f"output: {out.name}/output.jsonl" in r.stdout, "the module's onsuccess printed the summary"
+    said = capfd.readouterr()
+    assert f"output: {out.name}/output.jsonl" in said.out + said.err, "the module's onsuccess printed the summary"
     lines = [json.loads(line) for line in (out / "output.jsonl").read_text().splitlines()]
     assert [r["id"] for r in lines] == [r["id"] for r in rows]
     assert [r["../../evil"] for r in lines] == ["a", "b", "c", "d"], "a column named like a path is just a column"

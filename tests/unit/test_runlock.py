@@ -118,3 +118,20 @@ def test_where_locks_are_node_local_the_run_also_holds_the_lock_file(tmp_path, m
         runlock._HeldFile.acquire(tmp_path / HELD_NAME, {"host": "other"}, tmp_path)
     lock.release()
     assert not (tmp_path / HELD_NAME).exists()
+
+
+def test_a_run_from_python_lets_go_of_the_output_dir_and_the_queue_when_it_ends(tmp_path):
+    """``shardgen.run`` runs the workflow in the caller's process, which goes on: the run's end
+    (``release_run``, its onsuccess and onerror) releases the lock, so another process gets the
+    directory, and stops the watcher of its pending jobs; twice is harmless (a module's handlers)."""
+    from shardgen.cluster import PendingWatcher
+    from shardgen.commands.runlock import release_run
+
+    lock = RunLock.acquire(tmp_path, tmp_path, "fp-a")
+    watcher = PendingWatcher(str(tmp_path), stop=print, poll_s=3600).start()
+    release_run(lock, watcher)
+    release_run(lock, watcher)
+    watcher._thread.join(5)
+    assert not watcher._thread.is_alive(), "the watcher's thread ended"
+    other = "import sys; from shardgen.commands.runlock import RunLock; RunLock.acquire(sys.argv[1], '/x', 'fp-b')"
+    assert subprocess.run([sys.executable, "-c", other, str(tmp_path)], capture_output=True).returncode == 0

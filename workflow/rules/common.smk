@@ -8,7 +8,7 @@ from shardgen import cluster
 from shardgen import config as shardgen_config
 from shardgen.base.installed import slurm_plugin_problem
 from shardgen.base.io import restrict_umask
-from shardgen.commands.runlock import RunLock
+from shardgen.commands.runlock import RunLock, release_run
 from shardgen.base.rundir import RunDir
 from shardgen.commands.runstop import RunStop
 from shardgen.commands.statuscheck import keep_unseen_jobs
@@ -69,6 +69,8 @@ GENERATE_RULE = (
 TIME_LIMIT = None
 # Stops the run from the pending watcher's thread (shardgen.commands.runstop: why it cannot be lost).
 RUN_STOP = None
+# The run's hold on output.dir, and the watcher of its pending jobs (start_run)
+RUN_LOCK = WATCHER = None
 # The rules that run before any shard is generated.
 BEFORE_GENERATE = {"fetch_model", "plan_shards", "preflight"}
 
@@ -114,9 +116,11 @@ def start_run():
 
 def end_run():
     """onsuccess and onerror, once the scheduler has returned: after a stop, cancel what is left of
-    the run's Slurm jobs (none can be submitted any more)."""
+    the run's Slurm jobs (none can be submitted any more); then let go of the queue and of output.dir
+    (a run from Python, shardgen.run, goes on in its process)."""
     if RUN_STOP is not None:
         RUN_STOP.finish()
+    release_run(RUN_LOCK, WATCHER)
 
 
 wildcard_constraints:

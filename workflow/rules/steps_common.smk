@@ -5,12 +5,13 @@ from pathlib import Path
 from shardgen import cluster
 from shardgen.config import RunConfig
 from shardgen.base.installed import slurm_plugin_problem
-from shardgen.commands.runlock import RunLock
+from shardgen.commands.runlock import RunLock, release_run
 from shardgen.commands.runstop import RunStop
 from shardgen.commands.statuscheck import keep_unseen_jobs
 from shardgen.base.storage import require_writable
 
 RUN_STOP = None
+RUN_LOCK = WATCHER = None
 
 
 def start_steps():
@@ -55,6 +56,7 @@ def start_steps():
 def end_steps():
     if RUN_STOP is not None:
         RUN_STOP.finish()
+    release_run(RUN_LOCK, WATCHER)
 
 
 def print_steps():

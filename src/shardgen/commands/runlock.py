@@ -237,3 +237,14 @@ def describe(owner: dict[str, Any]) -> str:
         f"process {owner.get('pid')} of {owner.get('user')} on {owner.get('host')}, started "
         f"{owner.get('started')} in {owner.get('workdir')}"
     )
+
+
+def release_run(lock: RunLock | None, watcher: Any = None) -> None:
+    """The end of a run (its onsuccess and onerror): stop the watcher of its pending jobs
+    (``cluster.PendingWatcher``) and release its hold on output.dir. The command line's process ends
+    with the run anyway; a run from Python (``shardgen.run``) goes on in the caller's process, which may
+    run again."""
+    if watcher is not None:
+        watcher.close()
+    if lock is not None:
+        lock.release()
