@@ -13,9 +13,12 @@ from __future__ import annotations
 import atexit
 import copy
 import hashlib
+import importlib
+import io
 import json
 import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,7 +268,8 @@ def run(
     Args:
         config: a run config: the path of a YAML file, or a dict (written into the directory as
             ``.shardgen/config-<digest>.yaml``); None: ``config/config.yaml`` there.
-        profile: a profile of the project (``local``, ``slurm``) or the path of one.
+        profile: the path of a profile, or the name of one under ``directory``'s ``profiles/`` or the
+            shardgen checkout's (``local``, ``slurm``).
         directory: where the run works (its relative paths, ``output.dir`` among them, are relative to
             it): the current directory by default. Its ``Snakefile``, or the shardgen checkout's.
         args: more of Snakemake's arguments (``["--dry-run"]``, ``["--cores", "4"]``).
@@ -275,17 +279,25 @@ def run(
     """
     from snakemake.cli import args_to_api, parse_args
 
+    snakemake_shell = importlib.import_module("snakemake.shell")  # (the module: snakemake.shell is also a class)
+
     root = Path(directory or Path.cwd()).absolute()
     project = Path(__file__).resolve().parents[2]  # the checkout this package is installed from
     snakefile = next((d / "Snakefile" for d in (root, project) if (d / "Snakefile").exists()), None)
     if snakefile is None:
         raise ConfigError(f"run: neither {root} nor {project} has shardgen's Snakefile; run it from the checkout")
-    named = snakefile.parent / "profiles" / str(profile)
+    # a profile's path, or its name under the directory's profiles/, or the checkout's
+    places = (Path(profile), root / "profiles" / str(profile), project / "profiles" / str(profile))
+    found = next((p.absolute() for p in places if (p / "config.yaml").exists()), None)
+    if found is None:
+        raise ConfigError(f"run: no profile {str(profile)!r} (a directory with a config.yaml) in {places}")
     config_path = _config_file(config, root) if config is not None else root / "config" / "config.yaml"
-    argv = ["--snakefile", str(snakefile), "--directory", str(root),
-            "--profile", str(named if named.is_dir() else Path(profile).absolute()),
+    argv = ["--snakefile", str(snakefile), "--directory", str(root), "--profile", str(found),
             "--configfile", str(config_path), *args]  # fmt: skip
+    # Snakemake's shell sends its jobs' output to the sys.stdout of its import, by its own rule
+    # (snakemake/shell.py: STDOUT); in a process that runs it again, the stream of the time
     before = Path.cwd()
+    snakemake_shell.STDOUT = sys.stdout if isinstance(sys.stdout, io.TextIOWrapper) else None
     os.chdir(root)  # where the command line would run it
     try:
         parser, parsed = parse_args(argv)
