@@ -136,10 +136,7 @@ def _one_run(raw: dict[str, Any]) -> Path:
     cfg.write_resolved(raw, run_dir.root)  # (a step after it reads this one's from there)
     config = cfg.RunConfig.from_dict(raw)
     write_manifest(config, run_dir.manifest)
-    record = None
-    if config.kind.uses_engine:
-        record = fetch.resolve_model(config.model, allow_download=True, adapters=config.lora.adapters)
-    atomic_write_text(run_dir.model_record, json.dumps(record or {"source": None, "path": None}) + "\n")
+    record = fetch.write_record(config, run_dir.model_record)  # (the merge reads a pooling model's head there)
     manifest = Manifest.load(run_dir.manifest)
     context = JobContext(engine=_engine_for(config) if config.kind.uses_engine else None, model_record=record)
     for shard in manifest.shards:

@@ -423,10 +423,6 @@ def check_gpus(
     return problems
 
 
-# The oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA
-# compatibility guide: 13.x needs 580 or newer, 12.x 525, 11.x 450, through
-# minor-version compatibility). vLLM 0.32.0 on PyPI and the torch it pins are
-# CUDA 13 builds (torch.version.cuda "13.0"), so its nodes need driver 580.
 # How fast a GPU type reads prompts (compute-bound prefill: dense BF16 TFLOPS) and generates tokens
 # (memory-bound decode: HBM bandwidth), against an H100 SXM's 989 TFLOPS and 3.35 TB/s, from NVIDIA's
 # data sheets: A100 80GB SXM 312 and 2.04, H200 989 and 4.8, B200 2,250 and 8, L40S 362 and 0.86. For
@@ -445,6 +441,10 @@ def relative_speed(gpu_model: str | None) -> tuple[float, float, str]:
     return 1.0, 1.0, f"an H100 (the assumed GPU{f'; {gpu_model!r} is not in gpus.RELATIVE_SPEED' if name else ''})"
 
 
+# The oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA
+# compatibility guide: 13.x needs 580 or newer, 12.x 525, 11.x 450, through
+# minor-version compatibility). vLLM 0.32.0 on PyPI and the torch it pins are
+# CUDA 13 builds (torch.version.cuda "13.0"), so its nodes need driver 580.
 MIN_DRIVER = {13: (580, 0), 12: (525, 60), 11: (450, 80)}
 
 

@@ -374,7 +374,7 @@ def _store(root: str, options: str) -> RequestStore:
     return RequestStore(root, json.loads(options))
 
 
-# -- The layer in front of an engine --------------------------------------------------------------------
+# -- A job whose every request is stored: no engine ---------------------------------------------------
 
 
 class StoreChanged(ShardgenError):

@@ -296,7 +296,7 @@ def push_card(repo: str, text: str, message: str) -> str | None:
         if key in pushed:
             card.data[key] = pushed[key]
     info = card.push_to_hub(repo, repo_type="dataset", commit_message=f"{message}: dataset card")
-    return getattr(info, "oid", None) if info is not None and not isinstance(info, str) else info
+    return getattr(info, "oid", info)  # (a CommitInfo, which is its URL, a str, with the commit's oid)
 
 
 def upload(config: RunConfig, dataset_path: str | Path, stats_path: str | Path, record_path: str | Path) -> dict:

@@ -515,9 +515,10 @@ def estimate(
     gpus = config.model.gpus
     prefill, decode, gpu = relative_speed(gpu_model)
     largest = max((s.rows for s in manifest.shards), default=0)
-    generating = (mean_prompt * largest / (pre.prompt_tokens_per_second * prefill)
-                  + (out_tokens / rows if rows else 0) * largest / (pre.tokens_per_second * decode))  # fmt: skip
-    if not generates:  # a pooling task's work is its prompts, at its stated rate
+    if generates:
+        generating = (mean_prompt * largest / (pre.prompt_tokens_per_second * prefill)
+                      + (out_tokens / rows if rows else 0) * largest / (pre.tokens_per_second * decode))  # fmt: skip
+    else:  # a pooling task's work is its prompts, at its stated rate
         generating = mean_prompt * largest / (pre.tokens_per_second * prefill)
     return {
         "rows": rows,

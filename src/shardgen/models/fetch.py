@@ -323,16 +323,24 @@ def describe(resolved: dict[str, Any]) -> str:
     return line
 
 
-def main_fetch(config: RunConfig, output_path: str | Path) -> int:
-    """Resolve (and if need be download) the model; write the record as JSON; print one line. On the
-    CUDA build, also install FlashInfer's precompiled kernels if they are missing (``kernels.py``)."""
-
-    if not config.kind.uses_engine:  # a Python function: nothing to fetch; the record says so
+def write_record(config: RunConfig, output_path: str | Path) -> dict[str, Any] | None:
+    """Resolve (and if need be download) the model and write its record as JSON; return it. A task without
+    a model (a Python function) has nothing to fetch: its record says so, and None is returned."""
+    if not config.kind.uses_engine:
         atomic_write_text(output_path, json.dumps({"source": None, "path": None, "task": config.task}) + "\n")
-        print(f"task {config.task}: no model to fetch")
-        return 0
+        return None
     resolved = resolve_model(config.model, allow_download=True, adapters=config.lora.adapters)
     atomic_write_text(output_path, json.dumps(resolved, indent=1, sort_keys=True) + "\n")
+    return resolved
+
+
+def main_fetch(config: RunConfig, output_path: str | Path) -> int:
+    """The record (``write_record``); print one line. On the CUDA build, also install FlashInfer's
+    precompiled kernels if they are missing (``kernels.py``)."""
+    resolved = write_record(config, output_path)
+    if resolved is None:
+        print(f"task {config.task}: no model to fetch")
+        return 0
     print(describe(resolved))
     # here, with internet access, rather than in every offline job (kernels.py)
     if vllm_build() == "cuda" and (done := ensure_kernels()):
