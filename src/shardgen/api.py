@@ -125,6 +125,7 @@ def _generate_steps(raw: dict[str, Any]) -> pa.Table:
 def _one_run(raw: dict[str, Any]) -> Path:
     """One run's phases in this process: plan, fetch, every shard not committed yet, merge. Returns the
     merged Parquet file."""
+    # (the jobs' modules and pyarrow when generate runs: ``shardgen.run`` imports Snakemake only)
     from shardgen.data.manifest import Manifest
     from shardgen.data.plan import write_manifest
     from shardgen.jobs.generate import JobContext, committed, run_shard
@@ -160,7 +161,7 @@ def _engine_for(config: cfg.RunConfig) -> Any:
     same (the vLLM handle starts again by itself where the model's settings differ), else a new one
     after the old one is closed."""
     global _engine
-    from shardgen.engines.kinds import for_config
+    from shardgen.engines.kinds import for_config  # (as the jobs' modules: when generate runs)
 
     key = cfg.digest(config.raw.get("engine") or {})
     if _engine is not None and _engine[0] != key:
